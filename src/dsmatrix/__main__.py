@@ -1,0 +1,3 @@
+from dsmatrix.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""Stock and patched DeepSpeed wheels, built once from the PyPI sdist and cached.
+
+DeepSpeed ships only an sdist whose ``setup.py`` imports torch, so wheels are built in a
+builder environment that has the cell's Python and torch, without build isolation. The
+patched wheel carries a local version label ``+patched.<sha12>`` and a ``build.json``
+sidecar with the patch's sha256. Cache key: (DeepSpeed, Python, torch, stock | patch sha256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsmatrix.cells import Cell
+from dsmatrix.environments import Environment, ensure_environment, find_interpreter
+from dsmatrix.errors import BuildError, UnknownVersionError
+from dsmatrix.patches import PatchSet, apply_diff
+
+BUILD_REQUIREMENTS = ("setuptools", "wheel", "pip", "packaging", "ninja", "numpy", "py-cpuinfo", "psutil")
+
+
+@dataclass(frozen=True)
+class BuiltWheel:
+    build: str  # "stock" or "patched"
+    wheel: Path
+    info: dict[str, object]
+
+
+def fetch_sdist(deepspeed: str, cache: Path) -> Path:
+    """The DeepSpeed sdist for ``deepspeed``, downloaded once into the cache."""
+    target = cache / "sdists" / f"deepspeed-{deepspeed}.tar.gz"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", f"deepspeed=={deepspeed}", "-d", tmp],
+            capture_output=True, text=True,
+        )
+        files = list(Path(tmp).glob("deepspeed-*.tar.gz"))
+        if proc.returncode != 0 or len(files) != 1:
+            lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")]
+            raise UnknownVersionError(f"DeepSpeed {deepspeed}: sdist not downloadable: {' '.join(lines) or proc.stderr.strip()[-300:]}")
+        os.replace(files[0], target)
+    return target
+
+
+def unpack_sdist(sdist: Path, into: Path) -> Path:
+    with tarfile.open(sdist) as tar:
+        tar.extractall(into, filter="data")
+    (tree,) = [p for p in into.iterdir() if p.is_dir()]
+    return tree
+
+
+def builder_environment(cell: Cell, cache: Path) -> Environment:
+    """An environment with the cell's Python and torch plus setup.py's build needs."""
+    return ensure_environment(
+        cache / "builders" / f"py{cell.python}-torch{cell.torch}",
+        find_interpreter(cell.python),
+        [f"torch=={cell.torch}", *BUILD_REQUIREMENTS],
+        f"{cell.label} builder",
+    )
+
+
+def _wheel_dir(cell: Cell, cache: Path, patch: PatchSet | None) -> Path:
+    build = f"patched-{patch.short}" if patch else "stock"
+    return cache / "wheels" / f"deepspeed-{cell.deepspeed}" / f"py{cell.python}-torch{cell.torch}" / build
+
+
+def build_wheel(cell: Cell, cache: Path, patch: PatchSet | None) -> BuiltWheel:
+    """Build (or reuse) the stock wheel (``patch=None``) or the patched wheel for ``cell``."""
+    build = "patched" if patch else "stock"
+    final = _wheel_dir(cell, cache, patch)
+    sidecar = final / "build.json"
+    if sidecar.is_file():
+        info = json.loads(sidecar.read_text())
+        wheel = final / str(info["wheel"])
+        if wheel.is_file():
+            return BuiltWheel(build, wheel, info)
+    builder = builder_environment(cell, cache)
+    sdist = fetch_sdist(cell.deepspeed, cache)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{final.name}-") as tmp:
+        tree = unpack_sdist(sdist, Path(tmp) / "src")
+        env = {**os.environ, "PIP_NO_INPUT": "1"}
+        env.pop("DS_BUILD_STRING", None)
+        info: dict[str, object] = {"deepspeed": cell.deepspeed, "python": cell.python, "torch": cell.torch, "build": build}
+        if patch:
+            diff = patch.diff_for(cell.deepspeed)
+            apply_diff(diff, tree, cell.deepspeed)
+            env["DS_BUILD_STRING"] = f"+patched.{patch.short}"
+            info.update(patch_sha256=patch.sha256, patch_source=str(patch.source), diff=diff.name)
+        out = Path(tmp) / "out"
+        proc = subprocess.run(
+            [str(builder.python), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--quiet", str(tree), "-w", str(out)],
+            capture_output=True, text=True, env=env, cwd=tree,
+        )
+        wheels = list(out.glob("deepspeed-*.whl"))
+        if proc.returncode != 0 or len(wheels) != 1:
+            tail = [ln for ln in proc.stderr.splitlines() if "rror" in ln][-2:] or proc.stderr.strip().splitlines()[-2:]
+            raise BuildError(f"{cell.label}: building the {build} wheel failed: {' '.join(tail)}")
+        wheel = wheels[0]
+        info.update(wheel=wheel.name, wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(), builder=builder.installed)
+        (out / "build.json").write_text(json.dumps(info, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(out, final)
+    return BuiltWheel(build, final / wheel.name, info)

@@ -1,0 +1,170 @@
+"""Cell environments: uv virtualenvs with one Python, one torch and one DeepSpeed build.
+
+uv ignores pip's configuration, so the package sources pip is configured with (find-links,
+index and extra index URLs, from ``pip config list`` and ``PIP_*`` variables) are read here
+and handed to uv; whatever pip on the host can install, the suite can. Interpreters are found
+locally (PATH, pyenv) and never downloaded. Files inside an environment are never edited:
+uv hardlinks them from its cache, so a patched DeepSpeed is always a separately built wheel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from dsmatrix.errors import InstallError, InterpreterNotFound, UnknownVersionError
+
+UV_ENV = {"UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"}
+MARKER = "dsmatrix-env.json"
+TEST_REQUIREMENTS = ("pytest", "packaging")
+
+
+def uv_executable() -> str:
+    """The uv binary installed with this package (falls back to PATH)."""
+    try:
+        from uv import find_uv_bin
+
+        return find_uv_bin()
+    except (ImportError, FileNotFoundError):
+        exe = shutil.which("uv")
+        if exe is None:
+            raise InstallError("uv not found: install the 'uv' package (pip install uv)") from None
+        return exe
+
+
+def pip_sources() -> list[str]:
+    """uv arguments for the package sources pip is configured with on this host."""
+    config: dict[str, str] = {}
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    for line in listed.stdout.splitlines():
+        if m := re.match(r"^([^=]+)='(.*)'$", line.strip()):
+            key = m.group(1).split(".", 1)[-1]
+            config.setdefault(key, m.group(2))  # the first scope pip prints wins, as in pip
+    for key in ("find-links", "index-url", "extra-index-url"):
+        env_value = os.environ.get("PIP_" + key.upper().replace("-", "_"))
+        if env_value:
+            config[key] = env_value
+    args: list[str] = []
+    for link in config.get("find-links", "").split():
+        args += ["--find-links", link]
+    if config.get("index-url"):
+        args += ["--default-index", config["index-url"].split()[0]]
+    for url in config.get("extra-index-url", "").split():
+        args += ["--index", url]
+    return args
+
+
+def _python_version(exe: str) -> str | None:
+    try:
+        out = subprocess.run([exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def find_interpreter(version: str) -> Path:
+    """A local interpreter for ``version`` (PATH first, then pyenv's versions folder)."""
+    candidates: list[str] = []
+    on_path = shutil.which(f"python{version}")
+    if on_path:
+        candidates.append(on_path)
+    pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    candidates += [str(p) for p in sorted((pyenv_root / "versions").glob(f"{version}.*/bin/python{version}"), reverse=True)]
+    for exe in candidates:
+        if _python_version(exe) == version:
+            return Path(exe)
+    raise InterpreterNotFound(
+        f"Python {version}: no interpreter found (python{version} on PATH, {pyenv_root}/versions/{version}.*); "
+        "install it or drop it from the matrix"
+    )
+
+
+def run_uv(args: Sequence[str], what: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+    """Run uv; an InstallError carries the last line uv printed about the problem."""
+    env = {**os.environ, **UV_ENV}
+    try:
+        proc = subprocess.run([uv_executable(), *args], capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise InstallError(f"{what}: uv timed out after {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        raise InstallError(f"{what}: {uv_error(proc.stderr)}")
+    return proc
+
+
+def uv_error(stderr: str) -> str:
+    """The informative part of uv's error output, on one line."""
+    lines = [ln.strip(" ×╰─▶│") for ln in stderr.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if ln and not ln.startswith(("warning:", "Using ", "Resolved", "Prepared"))]
+    return " ".join(lines[-3:])[-600:] if lines else "uv failed without a message"
+
+
+def check_installable(requirement: str, python: str) -> None:
+    """Resolve ``requirement`` alone (no download of wheels); UnknownVersionError if impossible."""
+    env = {**os.environ, **UV_ENV}
+    proc = subprocess.run(
+        [uv_executable(), "pip", "compile", "-", "--no-deps", "--quiet", "--no-header", "--python-version", python,
+         "--index-strategy", "unsafe-best-match", *pip_sources()],
+        input=requirement + "\n", capture_output=True, text=True, env=env, timeout=300,
+    )
+    if proc.returncode != 0:
+        raise UnknownVersionError(f"{requirement} for Python {python}: not installable here: {uv_error(proc.stderr)}")
+
+
+@dataclass(frozen=True)
+class Environment:
+    """A ready virtualenv and what is really installed in it."""
+
+    path: Path
+    installed: dict[str, str]
+
+    @property
+    def python(self) -> Path:
+        return self.path / "bin" / "python"
+
+
+def installed_versions(python: Path) -> dict[str, str]:
+    code = (
+        "import importlib.metadata as m, json, platform\n"
+        "names = ('torch', 'deepspeed', 'numpy', 'pytest')\n"
+        "v = {n: m.version(n) for n in names if any(d.metadata['Name'].lower() == n for d in m.distributions())}\n"
+        "v['python'] = platform.python_version()\n"
+        "print(json.dumps(v))\n"
+    )
+    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise InstallError(f"{python}: cannot read installed versions: {proc.stderr.strip()[-300:]}")
+    return json.loads(proc.stdout)
+
+
+def ensure_environment(path: Path, interpreter: Path, requirements: Sequence[str], what: str) -> Environment:
+    """Create (or reuse, when the marker shows the same request) a uv environment at ``path``."""
+    wanted = {"interpreter": str(interpreter), "requirements": list(requirements)}
+    marker = path / MARKER
+    if marker.is_file():
+        try:
+            recorded = json.loads(marker.read_text())
+        except json.JSONDecodeError:
+            recorded = {}
+        if recorded.get("request") == wanted and (path / "bin" / "python").exists():
+            return Environment(path, recorded["installed"])
+    if path.exists():
+        shutil.rmtree(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    run_uv(["venv", "--quiet", "--python", str(interpreter), str(path)], f"{what}: create environment")
+    run_uv(
+        ["pip", "install", "--quiet", "--python", str(path / "bin" / "python"), "--compile-bytecode",
+         "--index-strategy", "unsafe-best-match", *pip_sources(), *requirements],
+        f"{what}: install {' '.join(Path(r).name for r in requirements)}",
+    )
+    installed = installed_versions(path / "bin" / "python")
+    tmp = marker.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"request": wanted, "installed": installed}, indent=2))
+    os.replace(tmp, marker)
+    return Environment(path, installed)

@@ -1,0 +1,52 @@
+"""One-line fatal errors, each naming what went wrong and where (cibuildwheel style).
+
+The CLI prints ``dsmatrix: error: <message>`` and exits with the class's code; no traceback.
+Errors raised while setting up or running one cell are caught and recorded as that cell's
+``error`` verdict instead.
+"""
+
+from __future__ import annotations
+
+
+class FatalError(Exception):
+    """Base class: a problem the user must fix before the run can go on."""
+
+    exit_code = 2
+
+
+class ConfigError(FatalError):
+    """Malformed matrix file or command-line selection."""
+
+
+class UnknownVersionError(FatalError):
+    """A Python, torch or DeepSpeed version that cannot be found or installed."""
+
+
+class InterpreterNotFound(UnknownVersionError):
+    """No local interpreter for a Python version of the matrix (never downloaded)."""
+
+
+class PatchError(FatalError):
+    """No diff covers a DeepSpeed version, or the patch set itself is malformed."""
+
+
+class PatchDoesNotApply(PatchError):
+    """A diff's hunk does not apply to a DeepSpeed release's source."""
+
+
+class CellError(FatalError):
+    """Set-up or run failure inside one cell; recorded as the cell's ``error`` verdict."""
+
+    exit_code = 1
+
+
+class InstallError(CellError):
+    """Creating a cell environment or installing into it failed."""
+
+
+class BuildError(CellError):
+    """Building a DeepSpeed wheel failed."""
+
+
+class RunError(CellError):
+    """The engine tests could not run to completion (crash, timeout, no tests)."""

@@ -1,0 +1,121 @@
+"""The results store: ``results/<run-id>/`` with one JSON per cell, JUnit XML per build, and
+``summary.json``; ``results/latest`` points at the newest run.
+
+Every file is written atomically (temporary file, then rename), and the summary is rewritten
+after each cell, so a crashed or interrupted run keeps every cell it finished. A run folder
+is created only once the run has passed its preflight checks: bad input leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import secrets
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsmatrix.errors import ConfigError
+
+SCHEMA = 1
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def copy_atomic(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
+
+
+def host_description() -> dict[str, str]:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model")):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"machine": platform.machine(), "system": platform.platform(), "cpu": cpu, "emulated": "false"}
+
+
+@dataclass
+class Run:
+    """One run's folder; cells are added as they finish."""
+
+    root: Path
+    meta: dict[str, Any]
+    cells: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return self.root.name
+
+    def junit_path(self, cell_id: str, build: str) -> Path:
+        return self.root / "junit" / f"{cell_id}-{build}.xml"
+
+    def add_cell(self, result: dict[str, Any]) -> Path:
+        path = self.root / "cells" / f"{result['cell']['id']}.json"
+        write_json(path, result)
+        self.cells.append(result)
+        self.write_summary("running")
+        return path
+
+    def write_summary(self, status: str) -> None:
+        write_json(
+            self.root / "summary.json",
+            {
+                "schema": SCHEMA,
+                "run_id": self.id,
+                "status": status,
+                **self.meta,
+                "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "cells": [
+                    {
+                        "id": c["cell"]["id"],
+                        "label": c["cell"]["label"],
+                        "verdict": c["verdict"],
+                        "reasons": c["reasons"],
+                        "file": f"cells/{c['cell']['id']}.json",
+                    }
+                    for c in self.cells
+                ],
+            },
+        )
+
+
+def start_run(results: Path, meta: dict[str, Any]) -> Run:
+    """Create ``results/<run-id>/`` and point ``results/latest`` at it."""
+    run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(2)
+    root = results / run_id
+    root.mkdir(parents=True)
+    run = Run(root, {**meta, "host": host_description()})
+    run.write_summary("running")
+    latest = results / "latest"
+    tmp = results / f".latest.{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(run_id)
+    os.replace(tmp, latest)
+    return run
+
+
+def load_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A run's summary and its cell results, read from disk (``path`` may be ``latest``)."""
+    summary_path = path / "summary.json"
+    if not summary_path.is_file():
+        raise ConfigError(f"{path}: no summary.json (run `nox -s matrix` first)")
+    summary = json.loads(summary_path.read_text())
+    cells = [json.loads((path / c["file"]).read_text()) for c in summary["cells"]]
+    return summary, cells
