@@ -123,14 +123,17 @@ def run_cell(cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run
         result.update(verdict=verdict.verdict, reasons=list(verdict.reasons))
     except CellError as exc:
         result.update(verdict=ERROR, reasons=[str(exc)])
-    except FatalError as exc:  # e.g. a patch that applies to the sdist check but not the build
+    except FatalError as exc:  # e.g. an interpreter that vanished since the preflight
         result.update(verdict=ERROR, reasons=[str(exc)])
+    except Exception as exc:  # noqa: BLE001 - one cell's crash must not lose the others
+        result.update(verdict=ERROR, reasons=[f"internal error: {type(exc).__name__}: {exc}"])
     result["timings"] = {"setup_s": round(setup_s, 1), "tests_s": round(tests_s, 1), "total_s": round(time.monotonic() - started, 1)}
     result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return result
 
 
 def command_matrix(args: argparse.Namespace) -> int:
+    args.results = args.results.resolve()
     matrix = load_matrix(args.matrix)
     selection = select_cells(matrix.tier(args.tier), _wanted(args))
     if args.plan:

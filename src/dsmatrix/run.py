@@ -75,6 +75,7 @@ def run_engine_tests(
     """Run pytest on the engine tests with ``python``; RunError unless it produced results."""
     extensions_dir.mkdir(parents=True, exist_ok=True)
     junit.parent.mkdir(parents=True, exist_ok=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
     command = [
         str(python), "-m", "pytest", str(ENGINE_TESTS), "-p", "no:cacheprovider", "-q", "-rfEs",
         "-o", "junit_family=xunit1", f"--junitxml={junit}",
@@ -103,7 +104,8 @@ def read_junit(path: Path) -> dict[str, TestOutcome]:
         for case in suite:
             test_file = case.classname.rsplit(".", 1)[-1] if case.classname else "?"
             test_id = f"{test_file}::{case.name}"
-            properties = {p.name: p.value for p in case.properties()} if case.child(Properties) is not None else {}
+            found = case.child(Properties)
+            properties = {p.name: p.value for p in found} if found is not None else {}
             outcome, message = "passed", ""
             for result in case.result:
                 if isinstance(result, Skipped):

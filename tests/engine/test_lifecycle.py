@@ -7,7 +7,7 @@ import weakref
 import pytest
 import zero3
 
-LIFECYCLES = 4
+LIFECYCLES = 3
 STEPS = 3  # step 1 records the trace, steps 2-3 use it (and fill the release cache)
 
 

@@ -24,8 +24,9 @@ class DecisionLog:
     (only its cache changes) -- on the instance, so it does not disturb the decision itself.
     """
 
-    def __init__(self, coordinator: Any, names: dict[int, str]) -> None:
+    def __init__(self, coordinator: Any, names: dict[int, str], params: list[tuple[str, Any]]) -> None:
         self.handed_out: list[tuple[tuple[str, int], Any, frozenset[int]]] = []
+        self.param_names = {p.ds_id: name for name, p in params}
         real = getattr(coordinator, DECISION_METHOD, None)
         if real is None:
             pytest.fail(f"the coordinator has no {DECISION_METHOD} to observe")
@@ -37,20 +38,25 @@ class DecisionLog:
 
         setattr(coordinator, DECISION_METHOD, spy)
 
+    def _names(self, ds_ids: frozenset[int]) -> list[str]:
+        return sorted(self.param_names.get(i, str(i)) for i in ds_ids)
+
     def changed_after_hand_out(self) -> list[str]:
-        return [
-            f"{key}: handed out {sorted(snapshot)}, later {sorted(decision)}"
-            for key, decision, snapshot in self.handed_out
-            if frozenset(decision) != snapshot
-        ]
+        """One line per (submodule, step) whose decision object changed after hand-out."""
+        problems: dict[tuple[str, int], str] = {}
+        for key, decision, snapshot in self.handed_out:
+            if frozenset(decision) != snapshot:
+                problems.setdefault(key, f"{key}: handed out {self._names(snapshot)}, later {self._names(frozenset(decision))}")
+        return list(problems.values())
 
     def inconsistent_keys(self) -> list[str]:
+        """One line per (submodule, step) handed different decisions at different times."""
         first: dict[tuple[str, int], frozenset[int]] = {}
-        problems = []
+        problems: dict[tuple[str, int], str] = {}
         for key, _, snapshot in self.handed_out:
             if first.setdefault(key, snapshot) != snapshot:
-                problems.append(f"{key}: first {sorted(first[key])}, later {sorted(snapshot)}")
-        return problems
+                problems.setdefault(key, f"{key}: first {self._names(first[key])}, later {self._names(snapshot)}")
+        return list(problems.values())
 
 
 @pytest.mark.bug("recompute")
@@ -69,7 +75,7 @@ def test_release_decisions_never_change(dtype: str, checkpointing: str) -> None:
     model = zero3.new_model(checkpointing, frozen=FROZEN)
     engine = zero3.build_engine(model, dtype)
     recorder = zero3.ReleaseRecorder(engine, model)
-    log = DecisionLog(recorder.coordinator, recorder.module_names)
+    log = DecisionLog(recorder.coordinator, recorder.module_names, recorder.params)
     zero3.train_step(engine, dtype)  # records the trace
     events = [e for _ in range(STEPS) for e in recorder.record(lambda: zero3.train_step(engine, dtype))]
     engine.destroy()

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+from dsmatrix.run import TestOutcome
+from dsmatrix.verdict import cell_verdict, exit_code
+
+BUGS = {"t::lifecycle": "lifecycle", "t::retrace": "retrace", "t::recompute": "recompute"}
+
+
+def outcomes(**overrides: str) -> dict[str, TestOutcome]:
+    """A stock-like run: every bug test failing, the control passing, unless overridden."""
+    result = {test: TestOutcome("failed", bug=bug, message="bug seen") for test, bug in BUGS.items()}
+    result["t::control"] = TestOutcome("passed")
+    for name, outcome in overrides.items():
+        test = f"t::{name}"
+        result[test] = TestOutcome(outcome, bug=BUGS.get(test, ""), message=f"{name} {outcome}")
+    return result
+
+
+PATCHED_OK = {"lifecycle": "passed", "retrace": "passed", "recompute": "passed"}
+
+
+def test_fixed_when_stock_fails_every_bug_test_and_patched_passes() -> None:
+    verdict = cell_verdict(outcomes(), outcomes(**PATCHED_OK))
+    assert verdict.verdict == "fixed"
+    assert "lifecycle, recompute, retrace" in verdict.reasons[0]
+
+
+def test_not_fixed_names_the_failing_patched_test() -> None:
+    verdict = cell_verdict(outcomes(), outcomes(**{**PATCHED_OK, "retrace": "failed"}))
+    assert verdict.verdict == "not-fixed"
+    assert verdict.reasons == ("patched failed: t::retrace: retrace failed",)
+
+
+def test_undetected_when_a_bug_test_passes_on_stock() -> None:
+    verdict = cell_verdict(outcomes(lifecycle="passed"), outcomes(**PATCHED_OK))
+    assert verdict.verdict == "undetected"
+    assert "t::lifecycle" in verdict.reasons[0]
+
+
+def test_skipped_tests_are_not_applicable() -> None:
+    stock = outcomes(recompute="skipped")
+    patched = outcomes(**{**PATCHED_OK, "recompute": "skipped"})
+    assert cell_verdict(stock, patched).verdict == "fixed"
+
+
+def test_errors_and_mismatches() -> None:
+    assert cell_verdict(outcomes(recompute="skipped"), outcomes(**PATCHED_OK)).verdict == "error"
+    assert cell_verdict(outcomes(), {}).verdict == "error"
+    assert cell_verdict(outcomes(control="failed"), outcomes(**PATCHED_OK)).verdict == "error"
+    assert cell_verdict(outcomes(retrace="error"), outcomes(**PATCHED_OK)).verdict == "error"
+    only_controls = {"t::control": TestOutcome("passed")}
+    assert cell_verdict(only_controls, only_controls).verdict == "error"
+
+
+def test_not_fixed_wins_over_undetected() -> None:
+    verdict = cell_verdict(outcomes(lifecycle="passed"), outcomes(**{**PATCHED_OK, "control": "error"}))
+    assert verdict.verdict == "not-fixed"
+
+
+def test_exit_code_only_zero_when_all_fixed() -> None:
+    assert exit_code(["fixed", "fixed"]) == 0
+    assert exit_code(["fixed", "undetected"]) == 1
+    assert exit_code([]) == 1
