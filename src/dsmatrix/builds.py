@@ -43,7 +43,8 @@ def fetch_sdist(deepspeed: str, cache: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", f"deepspeed=={deepspeed}", "-d", tmp],
-            capture_output=True, text=True,
+            capture_output=True,
+            text=True,
         )
         files = list(Path(tmp).glob("deepspeed-*.tar.gz"))
         if proc.returncode != 0 or len(files) != 1:
@@ -101,7 +102,10 @@ def build_wheel(cell: Cell, cache: Path, patch: PatchSet | None) -> BuiltWheel:
         out = Path(tmp) / "out"
         proc = subprocess.run(
             [str(builder.python), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--quiet", str(tree), "-w", str(out)],
-            capture_output=True, text=True, env=env, cwd=tree,
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tree,
         )
         wheels = list(out.glob("deepspeed-*.whl"))
         if proc.returncode != 0 or len(wheels) != 1:

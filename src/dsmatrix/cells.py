@@ -8,8 +8,8 @@ maintainer can try a new release before adding it to the matrix file).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, Tier, check_value
 

@@ -12,8 +12,9 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from dsmatrix import __version__
 from dsmatrix.builds import build_wheel, fetch_sdist, unpack_sdist
@@ -143,7 +144,15 @@ def command_matrix(args: argparse.Namespace) -> int:
         return 0
     patch = load_patch_set(args.patch)
     preflight(selection, patch, args.cache_dir)
-    run = start_run(args.results, {"tier": args.tier, "matrix": str(args.matrix), "patch": patch.describe(), "runtime": {a: list(v) for a, v in selection.runtime.items()}})
+    run = start_run(
+        args.results,
+        {
+            "tier": args.tier,
+            "matrix": str(args.matrix),
+            "patch": patch.describe(),
+            "runtime": {a: list(v) for a, v in selection.runtime.items()},
+        },
+    )
     print(f"dsmatrix: run {run.id}: {len(selection.cells)} cell(s), patch {patch.source.name} ({patch.short}), results in {run.root}")
     verdicts: list[str] = []
     try:

@@ -15,9 +15,9 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from dsmatrix.errors import InstallError, InterpreterNotFound, UnknownVersionError
 
@@ -109,9 +109,25 @@ def check_installable(requirement: str, python: str) -> None:
     """Resolve ``requirement`` alone (no download of wheels); UnknownVersionError if impossible."""
     env = {**os.environ, **UV_ENV}
     proc = subprocess.run(
-        [uv_executable(), "pip", "compile", "-", "--no-deps", "--quiet", "--no-header", "--python-version", python,
-         "--index-strategy", "unsafe-best-match", *pip_sources()],
-        input=requirement + "\n", capture_output=True, text=True, env=env, timeout=300,
+        [
+            uv_executable(),
+            "pip",
+            "compile",
+            "-",
+            "--no-deps",
+            "--quiet",
+            "--no-header",
+            "--python-version",
+            python,
+            "--index-strategy",
+            "unsafe-best-match",
+            *pip_sources(),
+        ],
+        input=requirement + "\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     if proc.returncode != 0:
         raise UnknownVersionError(f"{requirement} for Python {python}: not installable here: {uv_error(proc.stderr)}")
@@ -159,8 +175,18 @@ def ensure_environment(path: Path, interpreter: Path, requirements: Sequence[str
     path.parent.mkdir(parents=True, exist_ok=True)
     run_uv(["venv", "--quiet", "--python", str(interpreter), str(path)], f"{what}: create environment")
     run_uv(
-        ["pip", "install", "--quiet", "--python", str(path / "bin" / "python"), "--compile-bytecode",
-         "--index-strategy", "unsafe-best-match", *pip_sources(), *requirements],
+        [
+            "pip",
+            "install",
+            "--quiet",
+            "--python",
+            str(path / "bin" / "python"),
+            "--compile-bytecode",
+            "--index-strategy",
+            "unsafe-best-match",
+            *pip_sources(),
+            *requirements,
+        ],
         f"{what}: install {' '.join(Path(r).name for r in requirements)}",
     )
     installed = installed_versions(path / "bin" / "python")

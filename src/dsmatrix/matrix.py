@@ -8,9 +8,9 @@ axis a tier runs). Cell axes are ``python``, ``torch`` and ``deepspeed``; ``dtyp
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from packaging.version import InvalidVersion, Version
 

@@ -40,9 +40,7 @@ def render_markdown(summary: dict[str, Any], cells: list[dict[str, Any]]) -> str
         keep_trailing_newline=True,
     )
     qualified = bool(cells) and summary.get("status") == "complete" and all(c["verdict"] == FIXED for c in cells)
-    return env.get_template("report.md.j2").render(
-        summary=summary, cells=cells, qualified=qualified, tests=_test_rows(cells)
-    )
+    return env.get_template("report.md.j2").render(summary=summary, cells=cells, qualified=qualified, tests=_test_rows(cells))
 
 
 def write_report(run_path: Path, output: Path) -> Path:

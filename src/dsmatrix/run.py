@@ -13,9 +13,9 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from junitparser import Error, Failure, JUnitXml, Properties, Skipped
 
@@ -77,14 +77,26 @@ def run_engine_tests(
     junit.parent.mkdir(parents=True, exist_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     command = [
-        str(python), "-m", "pytest", str(ENGINE_TESTS), "-p", "no:cacheprovider", "-q", "-rfEs",
-        "-o", "junit_family=xunit1", f"--junitxml={junit}",
-        f"--dtype={','.join(runtime['dtype'])}", f"--checkpointing={','.join(runtime['checkpointing'])}",
+        str(python),
+        "-m",
+        "pytest",
+        str(ENGINE_TESTS),
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rfEs",
+        "-o",
+        "junit_family=xunit1",
+        f"--junitxml={junit}",
+        f"--dtype={','.join(runtime['dtype'])}",
+        f"--checkpointing={','.join(runtime['checkpointing'])}",
     ]
     started = time.monotonic()
     with log.open("w") as out:
         try:
-            proc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=test_environment(extensions_dir), timeout=timeout_s, cwd=ENGINE_TESTS)
+            proc = subprocess.run(
+                command, stdout=out, stderr=subprocess.STDOUT, env=test_environment(extensions_dir), timeout=timeout_s, cwd=ENGINE_TESTS
+            )
         except subprocess.TimeoutExpired:
             raise RunError(f"engine tests timed out after {timeout_s:.0f} s (log: {log})") from None
     duration = time.monotonic() - started

@@ -11,8 +11,8 @@ A test is applicable when it was not skipped. Skips must agree between the build
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from dsmatrix.run import TestOutcome
 
@@ -43,15 +43,18 @@ def cell_verdict(stock: Mapping[str, TestOutcome], patched: Mapping[str, TestOut
         return Verdict(NOT_FIXED, tuple(f"patched {patched[t].outcome}: {t}: {patched[t].message}" for t in broken))
     controls = [t for t in applicable if not stock[t].bug and stock[t].outcome != "passed"]
     if controls:
-        return Verdict(ERROR, tuple(f"stock {stock[t].outcome} a control test (the observers may be blind): {t}: {stock[t].message}" for t in controls))
+        return Verdict(
+            ERROR, tuple(f"stock {stock[t].outcome} a control test (the observers may be blind): {t}: {stock[t].message}" for t in controls)
+        )
     stock_errors = [t for t in bug_tests if stock[t].outcome == "error"]
     if stock_errors:
         return Verdict(ERROR, tuple(f"stock errored (not a bug failure): {t}: {stock[t].message}" for t in stock_errors))
     unseen = [t for t in bug_tests if stock[t].outcome == "passed"]
     if unseen:
         return Verdict(UNDETECTED, tuple(f"bug test passed on stock ({stock[t].bug}): {t}" for t in unseen))
-    seen = sorted({stock[t].bug for t in bug_tests})
-    return Verdict(FIXED, (f"stock fails all {len(bug_tests)} applicable bug tests ({', '.join(seen)}); patched passes all {len(applicable)} applicable tests",))
+    seen = ", ".join(sorted({stock[t].bug for t in bug_tests}))
+    summary = f"stock fails all {len(bug_tests)} applicable bug tests ({seen}); patched passes all {len(applicable)} applicable tests"
+    return Verdict(FIXED, (summary,))
 
 
 def exit_code(verdicts: list[str]) -> int:

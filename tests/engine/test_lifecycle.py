@@ -54,8 +54,9 @@ def test_destroyed_engines_are_collected(dtype: str, checkpointing: str, record_
     record_property("surviving_coordinators", [s.coordinators for s in series])
     record_property("surviving_models", [s.models for s in series])
     first, last = series[0], series[-1]
-    assert last.coordinators <= first.coordinators and last.models <= first.models, (
-        f"engines outlive destroy(): after lifecycles 1..{LIFECYCLES} surviving coordinators "
-        f"{[s.coordinators for s in series]}, models {[s.models for s in series]} "
-        f"(FWD_MODULE_STACK, reported separately, held {held_total} root modules)"
-    )
+    if last.coordinators > first.coordinators or last.models > first.models:
+        pytest.fail(
+            f"engines outlive destroy(): after lifecycles 1..{LIFECYCLES} surviving coordinators "
+            f"{[s.coordinators for s in series]}, models {[s.models for s in series]} "
+            f"(not counting DeepSpeed's FWD_MODULE_STACK, reported separately: it held {held_total} of their modules)"
+        )

@@ -89,4 +89,5 @@ def test_release_decisions_never_change(dtype: str, checkpointing: str) -> None:
     assert by_recompute, "harness: no backward release freed a recomputed frozen parameter"
     assert log.handed_out, "harness: no release decision was handed out"
     changed = log.changed_after_hand_out() + log.inconsistent_keys()
-    assert not changed, "release decisions changed after they were handed out: " + "; ".join(changed[:4])
+    if changed:
+        pytest.fail("release decisions changed after they were handed out: " + "; ".join(changed[:4]))

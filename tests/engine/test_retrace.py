@@ -48,8 +48,11 @@ def test_retrace_matches_fresh_engine(dtype: str, checkpointing: str) -> None:
     fresh, _ = _release_decisions([FLOW_B] * STEPS_PER_FLOW, dtype, checkpointing)
     assert invalidated, "harness: switching the flow did not invalidate the trace"
     assert any(released for _, _, released in fresh), "harness: no release observed"
-    mismatches = [(i, r, f) for i, (r, f) in enumerate(zip(retraced, fresh)) if r != f]
-    assert len(retraced) == len(fresh) and not mismatches, (
-        "release decisions after retrace differ from a fresh engine's (event, retraced, fresh): "
-        + "; ".join(f"#{i} {r} vs {f}" for i, r, f in mismatches[:4])
-    )
+    mismatches = [(i, r, f) for i, (r, f) in enumerate(zip(retraced, fresh, strict=False)) if r != f]
+    if len(retraced) != len(fresh) or mismatches:
+        pytest.fail(
+            f"release decisions after retrace differ from a fresh engine's ({len(retraced)} vs {len(fresh)} releases): "
+            + "; ".join(
+                f"release #{i} of {r[0]} ({r[1]}) freed {list(r[2])}, fresh engine freed {list(f[2])}" for i, r, f in mismatches[:4]
+            )
+        )

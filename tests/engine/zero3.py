@@ -12,8 +12,9 @@ from __future__ import annotations
 import gc
 import inspect
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import deepspeed
 import torch

@@ -1,0 +1,68 @@
+"""One real cell (DeepSpeed 0.19.8): the bundled fix comes out ``fixed`` with every bug seen on
+stock, and candidate patches that fix only some of the three bugs come out ``not-fixed``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, run_cli
+
+pytestmark = pytest.mark.e2e
+CELL = "py3.11-torch2.13.0+cpu-ds0.19.8"
+
+
+def cell_result(results: Path) -> dict:
+    return json.loads((results / "latest" / "cells" / f"{CELL}.json").read_text())
+
+
+def test_bundled_fix_is_fixed_with_every_bug_seen_on_stock(tmp_path: Path) -> None:
+    proc = run_cli("matrix", "--deepspeed", "0.19.8", "--results", str(tmp_path / "results"), cwd=tmp_path)
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = cell_result(tmp_path / "results")
+    assert result["verdict"] == "fixed"
+    stock, patched = result["builds"]["stock"]["tests"], result["builds"]["patched"]["tests"]
+    failing_on_stock = {}
+    for test_id, outcome in stock.items():
+        if outcome.get("bug") and outcome["outcome"] == "failed":
+            failing_on_stock.setdefault(outcome["bug"], []).append(test_id)
+    assert {bug: len(ids) for bug, ids in failing_on_stock.items()} == {"lifecycle": 4, "retrace": 4, "recompute": 2}
+    assert all(o["outcome"] in ("passed", "skipped") for o in patched.values())
+    assert result["builds"]["patched"]["installed"]["deepspeed"].startswith("0.19.8+patched.")
+    assert result["builds"]["patched"]["build_info"]["patch_sha256"] == result["patch"]["sha256"]
+    assert "set-up" in proc.stdout and "tests" in proc.stdout
+    summary = json.loads((tmp_path / "results" / "latest" / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["cells"][0]["verdict"] == "fixed"
+    assert (tmp_path / "results" / "latest" / result["builds"]["stock"]["junit"]).is_file()
+
+
+@pytest.mark.parametrize(
+    ("candidate", "failing_test"),
+    [
+        ("partial-no-clear-on-invalidation.diff", "test_retrace::"),
+        ("partial-in-place-update.diff", "test_recompute::"),
+        ("partial-class-level-cache.diff", "test_lifecycle::"),
+    ],
+)
+def test_partial_fix_is_not_fixed_and_names_the_test(tmp_path: Path, candidate: str, failing_test: str) -> None:
+    proc = run_cli(
+        "matrix",
+        "--deepspeed",
+        "0.19.8",
+        "--dtype",
+        "fp32",
+        "--checkpointing",
+        "on",
+        "--patch",
+        str(FIXTURES / "patches" / candidate),
+        "--results",
+        str(tmp_path / "results"),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    result = cell_result(tmp_path / "results")
+    assert result["verdict"] == "not-fixed"
+    assert any(r.startswith(f"patched failed: {failing_test}") for r in result["reasons"]), result["reasons"]
+    assert "NOT-FIXED" in proc.stdout and failing_test in proc.stdout

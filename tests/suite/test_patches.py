@@ -1,0 +1,105 @@
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from dsmatrix.builds import fetch_sdist, unpack_sdist
+from dsmatrix.errors import PatchDoesNotApply, PatchError
+from dsmatrix.patches import apply_diff, load_patch_set
+
+TARGET = "deepspeed/runtime/zero/partitioned_param_coordinator.py"
+ORIGINAL = "one\ntwo\nthree\nfour\nfive\n"
+DIFF = f"""--- a/{TARGET}
++++ b/{TARGET}
+@@ -1,5 +1,5 @@
+ one
+ two
+-three
++THREE
+ four
+ five
+"""
+
+
+def tree(tmp_path: Path, text: str = ORIGINAL) -> Path:
+    file = tmp_path / "src" / TARGET
+    file.parent.mkdir(parents=True)
+    file.write_text(text)
+    return tmp_path / "src"
+
+
+def test_bundled_manifest_maps_every_range(repo: Path) -> None:
+    patch = load_patch_set(repo / "patches" / "zero3-release-cache")
+    assert patch.diff_for("0.14.5").name == "deepspeed-0.14-0.17.diff"
+    assert patch.diff_for("0.18.9").name == "deepspeed-0.18.diff"
+    assert patch.diff_for("0.19.2").name == "deepspeed-0.19.0-0.19.2.diff"
+    assert patch.diff_for("0.19.8").name == "deepspeed-0.19.3-and-later.diff"
+    assert len(patch.sha256) == 64
+
+
+def test_version_without_a_diff_is_named(repo: Path) -> None:
+    patch = load_patch_set(repo / "patches" / "zero3-release-cache")
+    with pytest.raises(PatchError, match=r"DeepSpeed 0\.13\.1: no diff covers it in .*zero3-release-cache"):
+        patch.diff_for("0.13.1")
+
+
+def test_single_diff_covers_every_version_and_identity_follows_content(tmp_path: Path) -> None:
+    diff = tmp_path / "candidate.patch"
+    diff.write_text(DIFF)
+    first = load_patch_set(diff)
+    assert first.diff_for("0.19.8") == diff and first.diff_for("0.14.5") == diff
+    diff.write_text(DIFF.replace("THREE", "Three"))
+    assert load_patch_set(diff).sha256 != first.sha256
+
+
+def test_apply_changes_the_tree(tmp_path: Path) -> None:
+    diff = tmp_path / "fix.diff"
+    diff.write_text(DIFF)
+    src = tree(tmp_path)
+    apply_diff(diff, src, "0.19.8")
+    assert (src / TARGET).read_text() == ORIGINAL.replace("three", "THREE")
+
+
+def test_hunk_that_does_not_apply_names_version_file_and_hunk(tmp_path: Path) -> None:
+    diff = tmp_path / "fix.diff"
+    diff.write_text(DIFF)
+    src = tree(tmp_path, ORIGINAL.replace("three", "drei"))
+    with pytest.raises(PatchDoesNotApply) as info:
+        apply_diff(diff, src, "0.18.9")
+    message = str(info.value)
+    assert message.startswith("DeepSpeed 0.18.9: fix.diff does not apply:")
+    assert f"{TARGET} hunk #1 FAILED" in message
+    assert (src / TARGET).read_text() == ORIGINAL.replace("three", "drei"), "a failed patch must leave the tree untouched"
+
+
+def test_malformed_patch_sets(tmp_path: Path) -> None:
+    not_a_diff = tmp_path / "notes.txt"
+    not_a_diff.write_text("just words\n")
+    with pytest.raises(PatchError, match="not a unified diff"):
+        load_patch_set(not_a_diff)
+    folder = tmp_path / "set"
+    folder.mkdir()
+    with pytest.raises(PatchError, match="neither a diff file nor a folder with manifest.toml"):
+        load_patch_set(folder)
+    (folder / "manifest.toml").write_text('[[diff]]\nversions = ">=0.19"\nfile = "missing.diff"\n')
+    with pytest.raises(PatchError, match="missing.diff not found"):
+        load_patch_set(folder)
+    (folder / "manifest.toml").write_text('[[diff]]\nversions = "newest"\nfile = "x.diff"\n')
+    with pytest.raises(PatchError, match="bad versions 'newest'"):
+        load_patch_set(folder)
+
+
+@pytest.mark.parametrize("version", ["0.14.5", "0.16.9", "0.17.6", "0.18.9", "0.19.2", "0.19.8"])
+def test_bundled_diffs_apply_to_real_releases(repo: Path, version: str) -> None:
+    """The real sdist from the package index, patched exactly as a build patches it."""
+    patch = load_patch_set(repo / "patches" / "zero3-release-cache")
+    sdist = fetch_sdist(version, Path.home() / ".cache" / "dsmatrix")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = unpack_sdist(sdist, Path(tmp))
+        apply_diff(patch.diff_for(version), src, version)
+        patched = (src / TARGET).read_text()
+    assert "functools.lru_cache" not in patched
+    assert "self.__params_to_release_cache = {}" in patched
+    assert ".update(recompute_params)" not in patched

@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsmatrix.errors import ConfigError
+from dsmatrix.report import render_markdown, write_report
+from dsmatrix.results import load_run, start_run
+
+PATCH = {"source": "/x/patches/zero3-release-cache", "sha256": "ab" * 32, "diffs": [{"versions": ">=0.19.3", "file": "d.diff"}]}
+
+
+def cell(ds: str, verdict: str, reasons: list[str], tests: dict | None = None) -> dict:
+    builds = {}
+    if tests is not None:
+        builds = {
+            build: {
+                "installed": {"python": "3.11.7", "torch": "2.13.0+cpu", "deepspeed": ds + ("+patched.ab" if build == "patched" else "")},
+                "tests": outcome,
+            }
+            for build, outcome in tests.items()
+        }
+    return {
+        "schema": 1,
+        "cell": {
+            "id": f"py3.11-torch2.13.0+cpu-ds{ds}",
+            "label": f"matrix(py3.11, torch2.13.0+cpu, ds{ds})",
+            "python": "3.11",
+            "torch": "2.13.0+cpu",
+            "deepspeed": ds,
+        },
+        "verdict": verdict,
+        "reasons": reasons,
+        "builds": builds,
+        "timings": {"setup_s": 1.0, "tests_s": 2.0, "total_s": 3.0},
+    }
+
+
+FIXED = cell(
+    "0.19.8",
+    "fixed",
+    ["stock fails all"],
+    {
+        "stock": {"test_retrace::t[fp32]": {"outcome": "failed", "bug": "retrace", "message": "differs"}},
+        "patched": {"test_retrace::t[fp32]": {"outcome": "passed", "bug": "retrace"}},
+    },
+)
+NOT_FIXED = cell(
+    "0.19.7",
+    "not-fixed",
+    ["patched failed: test_retrace::t[fp32]: differs"],
+    {
+        "stock": {"test_retrace::t[fp32]": {"outcome": "failed", "bug": "retrace", "message": "differs"}},
+        "patched": {"test_retrace::t[fp32]": {"outcome": "failed", "bug": "retrace", "message": "differs"}},
+    },
+)
+ERRORED = cell("0.19.6", "error", ["matrix(...) stock: install torch: no solution"])
+
+
+def test_run_keeps_each_finished_cell_and_points_latest(tmp_path: Path) -> None:
+    run = start_run(tmp_path, {"tier": "default", "patch": PATCH, "runtime": {}})
+    assert (tmp_path / "latest").resolve() == run.root.resolve()
+    run.add_cell(FIXED)
+    summary, cells = load_run(tmp_path / "latest")
+    assert summary["status"] == "running" and [c["verdict"] for c in summary["cells"]] == ["fixed"]
+    assert cells[0]["cell"]["id"] == FIXED["cell"]["id"]
+    run.add_cell(ERRORED)
+    run.write_summary("interrupted")
+    summary, _ = load_run(run.root)
+    assert summary["status"] == "interrupted" and len(summary["cells"]) == 2
+    assert not list(run.root.rglob("*.tmp")), "no temporary files left behind"
+    second = start_run(tmp_path, {"tier": "default", "patch": PATCH, "runtime": {}})
+    assert (tmp_path / "latest").resolve() == second.root.resolve()
+    assert json.loads((run.root / "cells" / f"{FIXED['cell']['id']}.json").read_text())["verdict"] == "fixed"
+
+
+def test_report_shows_every_verdict_and_test_grid() -> None:
+    summary = {
+        "run_id": "r1",
+        "status": "complete",
+        "tier": "default",
+        "patch": PATCH,
+        "runtime": {"dtype": ["fp32"]},
+        "host": {"machine": "x86_64", "cpu": "cpu", "system": "linux"},
+    }
+    text = render_markdown(summary, [FIXED, NOT_FIXED, ERRORED])
+    assert "**NOT QUALIFIED**" in text
+    for verdict in ("**fixed**", "**not-fixed**", "**error**"):
+        assert verdict in text
+    assert "| `test_retrace::t[fp32]` | retrace | FAIL / pass | FAIL / FAIL | – / – |" in text
+    assert "matrix(...) stock: install torch: no solution" in text
+    assert "0.19.8+patched.ab" in text
+    assert "QUALIFIED**" in render_markdown(summary, [FIXED]) and "NOT" not in render_markdown(summary, [FIXED]).split("\n")[2]
+
+
+def test_report_on_missing_results_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no summary.json"):
+        write_report(tmp_path / "latest", tmp_path / "reports")
