@@ -27,6 +27,8 @@ PYTEST_OK = (0, 1)  # all passed / some failed: both are results
 
 @dataclass(frozen=True)
 class TestOutcome:
+    __test__ = False  # not a pytest test class
+
     outcome: str  # passed | failed | error | skipped
     bug: str = ""  # non-empty for bug tests: lifecycle | retrace | recompute
     message: str = ""
@@ -36,6 +38,8 @@ class TestOutcome:
 
 @dataclass(frozen=True)
 class TestRun:
+    __test__ = False  # not a pytest test class
+
     outcomes: Mapping[str, TestOutcome]
     duration_s: float
     junit: Path

@@ -60,7 +60,7 @@ def test_selection_narrows_and_replaces(tmp_path: Path) -> None:
         (GOOD.replace('checkpointing = ["off", "on"]', 'checkpointing = ["sometimes"]'), "'sometimes' is not one of off, on"),
         (GOOD.replace("[tiers.default]", "[tiers.nightly]"), "missing [tiers.default]"),
         (GOOD.replace('torch = ["2.13.0+cpu"]', "torch = []"), "axes.torch must be a non-empty list"),
-        (GOOD + "\ncolour = 1\n", "unknown top-level key"),
+        ("colour = 1\n" + GOOD, "unknown top-level key"),
     ],
 )
 def test_malformed_matrix_is_one_clear_line(tmp_path: Path, text: str, message: str) -> None:
