@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -155,6 +156,7 @@ def command_matrix(args: argparse.Namespace) -> int:
     )
     print(f"dsmatrix: run {run.id}: {len(selection.cells)} cell(s), patch {patch.source.name} ({patch.short}), results in {run.root}")
     verdicts: list[str] = []
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` ends the run like Ctrl-C: finished cells stay
     try:
         for cell in selection.cells:
             print(f"{cell.label}: running ...", flush=True)
@@ -172,6 +174,10 @@ def command_matrix(args: argparse.Namespace) -> int:
     run.write_summary("complete")
     print(f"dsmatrix: {sum(v == 'fixed' for v in verdicts)}/{len(verdicts)} cell(s) fixed; summary: {run.root / 'summary.json'}")
     return exit_code(verdicts)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def command_report(args: argparse.Namespace) -> int:

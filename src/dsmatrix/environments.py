@@ -23,7 +23,6 @@ from dsmatrix.errors import InstallError, InterpreterNotFound, UnknownVersionErr
 
 UV_ENV = {"UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"}
 MARKER = "dsmatrix-env.json"
-TEST_REQUIREMENTS = ("pytest", "packaging")
 
 
 def uv_executable() -> str:

@@ -28,8 +28,8 @@ class DecisionLog:
         self.handed_out: list[tuple[tuple[str, int], Any, frozenset[int]]] = []
         self.param_names = {p.ds_id: name for name, p in params}
         real = getattr(coordinator, DECISION_METHOD, None)
-        if real is None:
-            pytest.fail(f"the coordinator has no {DECISION_METHOD} to observe")
+        if real is None:  # a candidate that renamed it: the verdict becomes `error`, not a guess
+            pytest.skip(f"cannot observe: the coordinator has no {DECISION_METHOD}")
 
         def spy(submodule: Any, step_id: int) -> Any:
             decision = real(submodule, step_id)

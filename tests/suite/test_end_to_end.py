@@ -66,3 +66,32 @@ def test_partial_fix_is_not_fixed_and_names_the_test(tmp_path: Path, candidate: 
     assert result["verdict"] == "not-fixed"
     assert any(r.startswith(f"patched failed: {failing_test}") for r in result["reasons"]), result["reasons"]
     assert "NOT-FIXED" in proc.stdout and failing_test in proc.stdout
+
+
+def test_interrupted_run_keeps_finished_cells(tmp_path: Path) -> None:
+    """Kill a two-cell run once its first cell is recorded: that cell survives, marked interrupted."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    results = tmp_path / "results"
+    command = [sys.executable, "-m", "dsmatrix", "matrix", "--dtype", "fp32", "--checkpointing", "off", "--results", str(results)]
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ})
+    summary_path = results / "latest" / "summary.json"
+    deadline = time.monotonic() + 1800
+    while time.monotonic() < deadline and proc.poll() is None:
+        if summary_path.is_file() and json.loads(summary_path.read_text())["cells"]:
+            break
+        time.sleep(1)
+    assert proc.poll() is None, "the run ended before it could be interrupted: " + proc.communicate()[1]
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "interrupted; 1 finished cell(s) kept" in stderr
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "interrupted"
+    assert [c["id"] for c in summary["cells"]] == ["py3.11-torch2.13.0+cpu-ds0.19.2"]
+    assert json.loads((results / "latest" / summary["cells"][0]["file"]).read_text())["verdict"] == "fixed"
+    assert not [p for p in results.rglob("*") if p.name.endswith(".tmp")]
