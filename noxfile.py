@@ -1,22 +1,45 @@
-"""Entry points: ``nox -s matrix``, ``nox -s tests``, ``nox -s report``, ``nox -s lint``.
+"""Entry points: ``nox -s matrix``, ``nox -s tests``, ``nox -s report``, ``nox -s lint``, and one
+session per matrix cell, e.g. ``nox -s "matrix(py3.12, torch2.9.1, ds0.19.8)"`` (``nox -l``).
 
 Thin by design: each session installs the package and calls ``python -m dsmatrix``.
 """
 
+import sys
+from pathlib import Path
+
 import nox
+
+sys.path.insert(0, str(Path(__file__).parent / "src"))
+from dsmatrix.cells import Cell, all_cells  # noqa: E402
+from dsmatrix.matrix import load_matrix  # noqa: E402
 
 nox.needs_version = ">=2024.3.2"
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 DRIVER_PYTHON = "3.11"
+MATRIX = load_matrix(Path(__file__).parent / "matrix" / "matrix.toml")
 
 
 @nox.session(python=DRIVER_PYTHON)
 def matrix(session: nox.Session) -> None:
-    """Run the matrix (default tier): stock vs patched DeepSpeed, a verdict per cell."""
+    """Run the matrix (default tier unless -- --tier ...): stock vs patched, a verdict per cell."""
     session.install("-e", ".")
     session.run("python", "-m", "dsmatrix", "matrix", *session.posargs)
+
+
+def _cell_session(cell: Cell) -> None:
+    def run_one_cell(session: nox.Session) -> None:
+        session.install("-e", ".")
+        axes = ["--python", cell.python, "--torch", cell.torch, "--deepspeed", cell.deepspeed]
+        session.run("python", "-m", "dsmatrix", "matrix", "--tier", "release", *axes, *session.posargs)
+
+    run_one_cell.__doc__ = f"one cell, every runtime axis (release tier): {cell.id}"
+    nox.session(python=DRIVER_PYTHON, name=cell.label, default=False)(run_one_cell)
+
+
+for _cell in all_cells(MATRIX):
+    _cell_session(_cell)
 
 
 @nox.session(python=DRIVER_PYTHON)

@@ -8,30 +8,24 @@ cell, recording each as soon as it is finished.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
-import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from dsmatrix import __version__
-from dsmatrix.builds import build_wheel, fetch_sdist, unpack_sdist
-from dsmatrix.cells import Cell, Selection, select_cells
-from dsmatrix.environments import check_installable, ensure_environment, find_interpreter
-from dsmatrix.errors import CellError, FatalError
+from dsmatrix.cells import Selection, plan_cells
+from dsmatrix.errors import FatalError
 from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, load_matrix
-from dsmatrix.patches import PatchSet, apply_diff, load_patch_set
+from dsmatrix.patches import load_patch_set
+from dsmatrix.pipeline import cache_size, check_disk, engine_tests_digest, fingerprint, preflight, run_cell
 from dsmatrix.report import write_report
-from dsmatrix.results import Run, start_run
-from dsmatrix.run import outcome_dict, run_engine_tests
-from dsmatrix.verdict import ERROR, cell_verdict, exit_code
+from dsmatrix.results import find_finished, start_run
+from dsmatrix.verdict import exit_code
 
 REPO = Path(__file__).resolve().parents[2]
-BUILDS = ("stock", "patched")
-TEST_REQUIREMENTS = ("pytest", "packaging")
 
 
 def default_cache() -> Path:
@@ -50,7 +44,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     matrix.add_argument("--patch", type=Path, default=REPO / "patches" / "zero3-release-cache", help="manifest folder or a single diff")
     matrix.add_argument("--results", type=Path, default=Path("results"))
     matrix.add_argument("--cache-dir", type=Path, default=default_cache())
-    matrix.add_argument("--plan", action="store_true", help="print the selected cells and exit")
+    matrix.add_argument("--plan", action="store_true", help="print the selected cells (and excluded ones) and exit")
+    matrix.add_argument("--json", action="store_true", help="with --plan: print the cells as JSON (for CI job matrices)")
+    matrix.add_argument("--fresh", action="store_true", help="re-run cells that already have a result for the same fingerprint")
     report = sub.add_parser("report", help="render a results run as Markdown")
     report.add_argument("--results", type=Path, default=Path("results"))
     report.add_argument("--run", default="latest", help="run id (default: latest)")
@@ -66,107 +62,60 @@ def _wanted(args: argparse.Namespace) -> dict[str, list[str] | None]:
     return wanted
 
 
-def preflight(selection: Selection, patch: PatchSet, cache: Path) -> None:
-    """Check every input the run depends on; raises a one-line FatalError on the first problem."""
-    for python in sorted({c.python for c in selection.cells}):
-        find_interpreter(python)
-    for python, torch in sorted({(c.python, c.torch) for c in selection.cells}):
-        check_installable(f"torch=={torch}", python)
-    for deepspeed in sorted({c.deepspeed for c in selection.cells}):
-        diff = patch.diff_for(deepspeed)
-        sdist = fetch_sdist(deepspeed, cache)
-        with tempfile.TemporaryDirectory() as tmp:
-            apply_diff(diff, unpack_sdist(sdist, Path(tmp)), deepspeed)
-
-
-def run_cell(cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run: Run) -> dict[str, Any]:
-    """Build, install and test one cell; set-up and run failures become an ``error`` verdict."""
-    started = time.monotonic()
-    result: dict[str, Any] = {
-        "schema": 1,
-        "cell": {**cell.as_dict(), "label": cell.label},
-        "runtime": {axis: list(v) for axis, v in selection.runtime.items()},
-        "patch": patch.describe(),
-        "builds": {},
-        "timings": {},
-    }
-    setup_s = tests_s = 0.0
-    try:
-        envs = {}
-        for build in BUILDS:
-            wheel = build_wheel(cell, cache, patch if build == "patched" else None)
-            key = f"patched-{patch.short}" if build == "patched" else "stock"
-            envs[build] = ensure_environment(
-                cache / "envs" / cell.id / key,
-                find_interpreter(cell.python),
-                [f"torch=={cell.torch}", str(wheel.wheel), *TEST_REQUIREMENTS],
-                f"{cell.label} {build}",
-            )
-            result["builds"][build] = {"wheel": wheel.wheel.name, "build_info": wheel.info, "installed": envs[build].installed}
-        setup_s = time.monotonic() - started
-        runs = {}
-        for build in BUILDS:
-            key = result["builds"][build]["build_info"].get("wheel_sha256", build)[:12]
-            runs[build] = run_engine_tests(
-                envs[build].python,
-                cache / "torch-extensions" / cell.id / key,
-                selection.runtime,
-                run.junit_path(cell.id, build),
-                run.root / "logs" / f"{cell.id}-{build}.log",
-            )
-            result["builds"][build].update(
-                junit=str(runs[build].junit.relative_to(run.root)),
-                log=str(runs[build].log.relative_to(run.root)),
-                tests_s=round(runs[build].duration_s, 1),
-                tests={t: outcome_dict(o) for t, o in sorted(runs[build].outcomes.items())},
-            )
-        tests_s = time.monotonic() - started - setup_s
-        verdict = cell_verdict(runs["stock"].outcomes, runs["patched"].outcomes)
-        result.update(verdict=verdict.verdict, reasons=list(verdict.reasons))
-    except CellError as exc:
-        result.update(verdict=ERROR, reasons=[str(exc)])
-    except FatalError as exc:  # e.g. an interpreter that vanished since the preflight
-        result.update(verdict=ERROR, reasons=[str(exc)])
-    except Exception as exc:  # noqa: BLE001 - one cell's crash must not lose the others
-        result.update(verdict=ERROR, reasons=[f"internal error: {type(exc).__name__}: {exc}"])
-    result["timings"] = {"setup_s": round(setup_s, 1), "tests_s": round(tests_s, 1), "total_s": round(time.monotonic() - started, 1)}
-    result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return result
+def print_plan(selection: Selection, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"cells": [{**c.as_dict(), "label": c.label} for c in selection.cells]}))
+        return
+    for cell in selection.cells:
+        print(cell.label)
+    for excluded in selection.excluded:
+        print(f"{excluded.cell.label}: excluded by {excluded.rule.id}: {excluded.rule.reason}")
+    runtime = ", ".join(f"{a}={'/'.join(v)}" for a, v in selection.runtime.items())
+    print(f"{len(selection.cells)} cell(s), {len(selection.excluded)} excluded; runtime axes: {runtime}")
 
 
 def command_matrix(args: argparse.Namespace) -> int:
     args.results = args.results.resolve()
     matrix = load_matrix(args.matrix)
-    selection = select_cells(matrix.tier(args.tier), _wanted(args))
+    selection = plan_cells(matrix, matrix.tier(args.tier), _wanted(args))
     if args.plan:
-        for cell in selection.cells:
-            print(cell.label)
-        print(f"{len(selection.cells)} cell(s); runtime axes: " + ", ".join(f"{a}={'/'.join(v)}" for a, v in selection.runtime.items()))
+        print_plan(selection, args.json)
         return 0
     patch = load_patch_set(args.patch)
-    preflight(selection, patch, args.cache_dir)
+    runtime = {a: list(v) for a, v in selection.runtime.items()}
+    suite = engine_tests_digest()
+    prints = {cell: fingerprint(cell, runtime, patch, suite) for cell in selection.cells}
+    reusable = {} if args.fresh else {c: r for c in selection.cells if (r := find_finished(args.results, prints[c])) is not None}
+    todo = [c for c in selection.cells if c not in reusable]
+    preflight(Selection(tuple(todo), selection.runtime), patch, args.cache_dir)
+    need = check_disk(Selection(tuple(todo), selection.runtime), args.cache_dir)
+    excluded = [
+        {"cell": {**e.cell.as_dict(), "label": e.cell.label}, "rule": e.rule.id, "reason": e.rule.reason} for e in selection.excluded
+    ]
     run = start_run(
         args.results,
-        {
-            "tier": args.tier,
-            "matrix": str(args.matrix),
-            "patch": patch.describe(),
-            "runtime": {a: list(v) for a, v in selection.runtime.items()},
-        },
+        {"tier": args.tier, "matrix": str(args.matrix), "patch": patch.describe(), "runtime": runtime, "excluded": excluded},
     )
-    print(f"dsmatrix: run {run.id}: {len(selection.cells)} cell(s), patch {patch.source.name} ({patch.short}), results in {run.root}")
+    print(
+        f"dsmatrix: run {run.id}: {len(selection.cells)} cell(s) ({len(reusable)} already done), {len(excluded)} excluded; "
+        f"patch {patch.source.name} ({patch.short}); uv cache {cache_size()}, this run may add ~{need:.1f} GiB; results in {run.root}"
+    )
     verdicts: list[str] = []
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` ends the run like Ctrl-C: finished cells stay
     try:
         for cell in selection.cells:
-            print(f"{cell.label}: running ...", flush=True)
-            result = run_cell(cell, selection, patch, args.cache_dir, run)
+            if cell in reusable:
+                result = {**reusable[cell], "reused_from": reusable[cell].get("reused_from") or reusable[cell]["run_id"]}
+                print(f"{cell.label}: {result['verdict'].upper()}  (result of run {result['reused_from']}; --fresh re-runs it)")
+            else:
+                print(f"{cell.label}: running ...", flush=True)
+                result = run_cell(cell, selection, patch, args.cache_dir, run, prints[cell])
+                t = result["timings"]
+                print(f"{cell.label}: {result['verdict'].upper()}  (set-up {t['setup_s']} s, tests {t['tests_s']} s)")
+                for reason in result["reasons"]:
+                    print(f"    {reason}")
             run.add_cell(result)
             verdicts.append(result["verdict"])
-            t = result["timings"]
-            print(f"{cell.label}: {result['verdict'].upper()}  (set-up {t['setup_s']} s, tests {t['tests_s']} s)")
-            for reason in result["reasons"]:
-                print(f"    {reason}")
     except KeyboardInterrupt:
         run.write_summary("interrupted")
         print(f"dsmatrix: interrupted; {len(verdicts)} finished cell(s) kept in {run.root}", file=sys.stderr)

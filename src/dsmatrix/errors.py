@@ -34,6 +34,10 @@ class PatchDoesNotApply(PatchError):
     """A diff's hunk does not apply to a DeepSpeed release's source."""
 
 
+class DiskSpaceError(FatalError):
+    """The selected cells would not fit the free disk."""
+
+
 class CellError(FatalError):
     """Set-up or run failure inside one cell; recorded as the cell's ``error`` verdict."""
 

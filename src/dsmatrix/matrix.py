@@ -1,8 +1,9 @@
 """Load and validate the declarative matrix file (``matrix/matrix.toml``).
 
-The file holds the axes (every value the suite knows) and named tiers (which values of each
-axis a tier runs). Cell axes are ``python``, ``torch`` and ``deepspeed``; ``dtype`` and
-``checkpointing`` are runtime axes, run inside every cell by the engine tests.
+The file holds the axes (every value the suite knows), compatibility rules (combinations that
+cannot work, each with the reason a reader needs) and named tiers (which values of each axis a
+tier runs and how they are combined). Cell axes are ``python``, ``torch`` and ``deepspeed``;
+``dtype``, ``checkpointing`` and ``world_size`` are runtime axes, run inside every cell.
 """
 
 from __future__ import annotations
@@ -12,14 +13,29 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from dsmatrix.errors import ConfigError
 
 CELL_AXES = ("python", "torch", "deepspeed")
-RUNTIME_AXES = ("dtype", "checkpointing")
+RUNTIME_AXES = ("dtype", "checkpointing", "world_size")
 AXES = CELL_AXES + RUNTIME_AXES
-RUNTIME_VALUES = {"dtype": ("fp32", "bf16"), "checkpointing": ("off", "on")}
+RUNTIME_VALUES = {"dtype": ("fp32", "bf16"), "checkpointing": ("off", "on"), "world_size": ("1", "2")}
+COMBINATIONS = ("product", "pairwise", "listed")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Cells whose every named axis matches its specifier are excluded, for ``reason``."""
+
+    id: str
+    when: Mapping[str, SpecifierSet]
+    reason: str
+
+    def matches(self, values: Mapping[str, str]) -> bool:
+        """True when ``values`` (possibly partial) has every axis of the rule and matches it."""
+        return all(axis in values and spec.contains(values[axis], prereleases=True) for axis, spec in self.when.items())
 
 
 @dataclass(frozen=True)
@@ -27,6 +43,8 @@ class Tier:
     name: str
     description: str
     values: Mapping[str, tuple[str, ...]]
+    combination: str = "product"
+    cells: tuple[tuple[str, str, str], ...] = ()  # for combination = "listed"
 
 
 @dataclass(frozen=True)
@@ -34,11 +52,16 @@ class Matrix:
     path: Path
     axes: Mapping[str, tuple[str, ...]]
     tiers: Mapping[str, Tier]
+    rules: tuple[Rule, ...] = ()
 
     def tier(self, name: str) -> Tier:
         if name not in self.tiers:
             raise ConfigError(f"{self.path}: no tier {name!r} (tiers: {', '.join(self.tiers)})")
         return self.tiers[name]
+
+    def excluded_by(self, values: Mapping[str, str]) -> Rule | None:
+        """The first rule that excludes ``values``, if any."""
+        return next((rule for rule in self.rules if rule.matches(values)), None)
 
 
 def _values(path: Path, where: str, raw: object) -> tuple[str, ...]:
@@ -63,6 +86,62 @@ def check_value(axis: str, value: str, where: str) -> None:
         raise ConfigError(f"{where}: {value!r} must be a minor version such as 3.11")
 
 
+def _rules(path: Path, raw: object) -> tuple[Rule, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(f"{path}: rules must be an array of [[rules]] tables")
+    rules = []
+    for i, entry in enumerate(raw):
+        where = f"{path}: rules #{i + 1}"
+        if not isinstance(entry, dict) or not {"id", "when", "reason"} <= set(entry):
+            raise ConfigError(f"{where}: needs id, when and reason")
+        if not isinstance(entry["when"], dict) or not entry["when"] or set(entry["when"]) - set(CELL_AXES):
+            raise ConfigError(f"{where} ({entry['id']}): when must map cell axes ({', '.join(CELL_AXES)}) to version specifiers")
+        try:
+            when = {axis: SpecifierSet(spec) for axis, spec in entry["when"].items()}
+        except (InvalidSpecifier, TypeError):
+            raise ConfigError(f"{where} ({entry['id']}): bad specifier in when = {entry['when']!r}") from None
+        rules.append(Rule(str(entry["id"]), when, str(entry["reason"])))
+    ids = [r.id for r in rules]
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"{path}: rule ids must be unique: {ids}")
+    return tuple(rules)
+
+
+def _tier(path: Path, name: str, raw: object, axes: Mapping[str, tuple[str, ...]]) -> Tier:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: tiers.{name} must be a table")
+    extra = set(raw) - set(AXES) - {"description", "combination", "cells"}
+    if extra:
+        raise ConfigError(f"{path}: tiers.{name}: unknown key(s) {sorted(extra)}")
+    combination = raw.get("combination", "product")
+    if combination not in COMBINATIONS:
+        raise ConfigError(f"{path}: tiers.{name}.combination: {combination!r} is not one of {', '.join(COMBINATIONS)}")
+    values = {}
+    for axis in AXES:
+        chosen = _values(path, f"tiers.{name}.{axis}", raw[axis]) if axis in raw else axes[axis]
+        outside = [v for v in chosen if v not in axes[axis]]
+        if outside:
+            raise ConfigError(f"{path}: tiers.{name}.{axis}: {outside} not in axes.{axis}")
+        values[axis] = chosen
+    cells: list[tuple[str, str, str]] = []
+    if combination == "listed":
+        listed = raw.get("cells")
+        if not isinstance(listed, list) or not listed:
+            raise ConfigError(f"{path}: tiers.{name}: combination = 'listed' needs cells = [[python, torch, deepspeed], ...]")
+        for cell in listed:
+            if not isinstance(cell, list) or len(cell) != 3:
+                raise ConfigError(f"{path}: tiers.{name}.cells: {cell!r} is not [python, torch, deepspeed]")
+            for axis, value in zip(CELL_AXES, cell, strict=True):
+                if value not in axes[axis]:
+                    raise ConfigError(f"{path}: tiers.{name}.cells: {axis} {value!r} not in axes.{axis}")
+            cells.append((cell[0], cell[1], cell[2]))
+    elif "cells" in raw:
+        raise ConfigError(f"{path}: tiers.{name}: cells only goes with combination = 'listed'")
+    return Tier(name, str(raw.get("description", "")), values, combination, tuple(cells))
+
+
 def load_matrix(path: Path) -> Matrix:
     """Parse and validate ``path``; every problem is a one-line ConfigError naming the key."""
     try:
@@ -71,7 +150,7 @@ def load_matrix(path: Path) -> Matrix:
         raise ConfigError(f"{path}: matrix file not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    unknown = set(data) - {"axes", "tiers"}
+    unknown = set(data) - {"axes", "tiers", "rules"}
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key(s) {sorted(unknown)}")
     raw_axes = data.get("axes")
@@ -86,19 +165,5 @@ def load_matrix(path: Path) -> Matrix:
     raw_tiers = data.get("tiers")
     if not isinstance(raw_tiers, dict) or "default" not in raw_tiers:
         raise ConfigError(f"{path}: missing [tiers.default] table")
-    tiers = {}
-    for name, raw in raw_tiers.items():
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: tiers.{name} must be a table")
-        extra = set(raw) - set(AXES) - {"description"}
-        if extra:
-            raise ConfigError(f"{path}: tiers.{name}: unknown key(s) {sorted(extra)}")
-        values = {}
-        for axis in AXES:
-            chosen = _values(path, f"tiers.{name}.{axis}", raw[axis]) if axis in raw else axes[axis]
-            outside = [v for v in chosen if v not in axes[axis]]
-            if outside:
-                raise ConfigError(f"{path}: tiers.{name}.{axis}: {outside} not in axes.{axis}")
-            values[axis] = chosen
-        tiers[name] = Tier(name, str(raw.get("description", "")), values)
-    return Matrix(path, axes, tiers)
+    tiers = {name: _tier(path, name, raw, axes) for name, raw in raw_tiers.items()}
+    return Matrix(path, axes, tiers, _rules(path, data.get("rules")))

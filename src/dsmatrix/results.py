@@ -62,10 +62,8 @@ class Run:
     def id(self) -> str:
         return self.root.name
 
-    def junit_path(self, cell_id: str, build: str) -> Path:
-        return self.root / "junit" / f"{cell_id}-{build}.xml"
-
     def add_cell(self, result: dict[str, Any]) -> Path:
+        result = {**result, "run_id": self.id}
         path = self.root / "cells" / f"{result['cell']['id']}.json"
         write_json(path, result)
         self.cells.append(result)
@@ -109,6 +107,21 @@ def start_run(results: Path, meta: dict[str, Any]) -> Run:
     tmp.symlink_to(run_id)
     os.replace(tmp, latest)
     return run
+
+
+def find_finished(results: Path, fingerprint: str) -> dict[str, Any] | None:
+    """The newest earlier cell result with this fingerprint and a non-error verdict, if any."""
+    found = []
+    for path in results.glob("*/cells/*.json"):
+        if path.parent.parent.name == "latest":
+            continue
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if result.get("fingerprint") == fingerprint and result.get("verdict") not in (None, "error"):
+            found.append((result.get("finished_at", ""), result))
+    return max(found, key=lambda item: item[0])[1] if found else None
 
 
 def load_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -42,8 +42,8 @@ class TestRun:
 
     outcomes: Mapping[str, TestOutcome]
     duration_s: float
-    junit: Path
-    log: Path
+    junits: tuple[Path, ...]
+    logs: Path
 
 
 def free_port() -> int:
@@ -52,17 +52,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_environment(extensions_dir: Path) -> dict[str, str]:
+def test_environment(extensions_dir: Path, port: int, rank: int, world_size: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VIRTUAL_ENV"))}
     env.update(
         DS_ACCELERATOR="cpu",
-        LOCAL_SIZE="1",
+        LOCAL_SIZE=str(world_size),
         TORCH_EXTENSIONS_DIR=str(extensions_dir),
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
         PYTHONUNBUFFERED="1",
     )
     return env
@@ -72,45 +72,97 @@ def run_engine_tests(
     python: Path,
     extensions_dir: Path,
     runtime: Mapping[str, Sequence[str]],
-    junit: Path,
-    log: Path,
+    out_dir: Path,
+    name: str,
     timeout_s: float = 3600,
 ) -> TestRun:
-    """Run pytest on the engine tests with ``python``; RunError unless it produced results."""
+    """Run the engine tests with ``python`` at every selected world size, one pytest per rank.
+
+    Test ids get an ``@ws<N>`` suffix; a test's outcome is merged over its ranks. RunError
+    unless every rank produced results.
+    """
     extensions_dir.mkdir(parents=True, exist_ok=True)
-    junit.parent.mkdir(parents=True, exist_ok=True)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    command = [
-        str(python),
-        "-m",
-        "pytest",
-        str(ENGINE_TESTS),
-        "-p",
-        "no:cacheprovider",
-        "-q",
-        "-rfEs",
-        "-o",
-        "junit_family=xunit1",
-        f"--junitxml={junit}",
-        f"--dtype={','.join(runtime['dtype'])}",
-        f"--checkpointing={','.join(runtime['checkpointing'])}",
-    ]
+    out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with log.open("w") as out:
-        try:
-            proc = subprocess.run(
-                command, stdout=out, stderr=subprocess.STDOUT, env=test_environment(extensions_dir), timeout=timeout_s, cwd=ENGINE_TESTS
-            )
-        except subprocess.TimeoutExpired:
-            raise RunError(f"engine tests timed out after {timeout_s:.0f} s (log: {log})") from None
-    duration = time.monotonic() - started
-    if proc.returncode not in PYTEST_OK or not junit.is_file():
-        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        raise RunError(f"engine tests exited {proc.returncode}: {tail[0][:300]} (log: {log})")
-    outcomes = read_junit(junit)
+    outcomes: dict[str, TestOutcome] = {}
+    junits: list[Path] = []
+    for world_size in (int(ws) for ws in runtime.get("world_size", ("1",))):
+        per_rank = _run_ranks(python, extensions_dir, runtime, world_size, out_dir, name, timeout_s)
+        junits += [junit for junit, _ in per_rank]
+        merged = merge_ranks([read_junit(junit) for junit, _ in per_rank])
+        outcomes.update({f"{test_id}@ws{world_size}": outcome for test_id, outcome in merged.items()})
     if not outcomes:
-        raise RunError(f"engine tests collected nothing (log: {log})")
-    return TestRun(outcomes, duration, junit, log)
+        raise RunError(f"engine tests collected nothing (logs: {out_dir})")
+    return TestRun(outcomes, time.monotonic() - started, tuple(junits), out_dir)
+
+
+def _run_ranks(
+    python: Path, extensions_dir: Path, runtime: Mapping[str, Sequence[str]], world_size: int, out_dir: Path, name: str, timeout_s: float
+) -> list[tuple[Path, Path]]:
+    """Launch one pytest process per rank on one rendezvous; wait for all of them."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        junit = out_dir / f"{name}-ws{world_size}-rank{rank}.xml"
+        log = out_dir / f"{name}-ws{world_size}-rank{rank}.log"
+        command = [
+            str(python), "-m", "pytest", str(ENGINE_TESTS), "-p", "no:cacheprovider", "-q", "-rfEs",
+            "-o", "junit_family=xunit1", f"--junitxml={junit}",
+            f"--dtype={','.join(runtime['dtype'])}", f"--checkpointing={','.join(runtime['checkpointing'])}",
+        ]  # fmt: skip
+        with log.open("w") as out:
+            env = test_environment(extensions_dir, port, rank, world_size)
+            procs.append((subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ENGINE_TESTS), junit, log))
+    deadline = time.monotonic() + timeout_s
+    try:
+        for proc, _, log in procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RunError(f"engine tests (world size {world_size}) timed out after {timeout_s:.0f} s (log: {log})") from None
+    finally:
+        for proc, _, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, junit, log) in enumerate(procs):
+        if proc.returncode not in PYTEST_OK or not junit.is_file():
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            raise RunError(f"engine tests (world size {world_size}, rank {rank}) exited {proc.returncode}: {tail[0][:300]} (log: {log})")
+    return [(junit, log) for _, junit, log in procs]
+
+
+SEVERITY = {"error": 3, "failed": 2, "passed": 1, "skipped": 0}
+
+
+def merge_ranks(per_rank: Sequence[Mapping[str, TestOutcome]]) -> dict[str, TestOutcome]:
+    """One outcome per test over all ranks: the worst one, with the rank that saw it.
+
+    A test skipped on some ranks and run on others, or missing on a rank, is an error.
+    """
+    if len(per_rank) == 1:
+        return dict(per_rank[0])
+    merged: dict[str, TestOutcome] = {}
+    for test_id in sorted(set().union(*per_rank)):
+        found = [(rank, outcomes.get(test_id)) for rank, outcomes in enumerate(per_rank)]
+        missing = [rank for rank, o in found if o is None]
+        present = [(rank, o) for rank, o in found if o is not None]
+        bug = present[0][1].bug
+        if missing:
+            merged[test_id] = TestOutcome("error", bug, f"not run on rank(s) {missing}")
+            continue
+        skipped = {o.outcome == "skipped" for _, o in present}
+        if len(skipped) > 1:
+            merged[test_id] = TestOutcome(
+                "error", bug, "skipped on some ranks only: " + ", ".join(f"rank {r} {o.outcome}" for r, o in present)
+            )
+            continue
+        rank, worst = max(present, key=lambda item: SEVERITY[item[1].outcome])
+        message = f"rank {rank}: {worst.message}" if worst.message and worst.outcome != "skipped" else worst.message
+        properties = {f"rank{r}.{k}": v for r, o in present for k, v in o.properties.items()}
+        duration = max(o.duration_s for _, o in present)
+        merged[test_id] = TestOutcome(worst.outcome, bug, message, duration, properties)
+    return merged
 
 
 def read_junit(path: Path) -> dict[str, TestOutcome]:

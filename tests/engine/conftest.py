@@ -61,9 +61,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def distributed() -> None:
     """One single-rank gloo process group for the whole session."""
+    from datetime import timedelta
+
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    # A rank that stops early must not leave its peers waiting forever in a collective.
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(minutes=5))
 
 
 @pytest.fixture(autouse=True)

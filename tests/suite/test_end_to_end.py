@@ -35,7 +35,9 @@ def test_bundled_fix_is_fixed_with_every_bug_seen_on_stock(tmp_path: Path) -> No
     assert "set-up" in proc.stdout and "tests" in proc.stdout
     summary = json.loads((tmp_path / "results" / "latest" / "summary.json").read_text())
     assert summary["status"] == "complete" and summary["cells"][0]["verdict"] == "fixed"
-    assert (tmp_path / "results" / "latest" / result["builds"]["stock"]["junit"]).is_file()
+    assert all((tmp_path / "results" / "latest" / junit).is_file() for junit in result["builds"]["stock"]["junit"])
+    again = run_cli("matrix", "--deepspeed", "0.19.8", "--results", str(tmp_path / "results"), cwd=tmp_path)
+    assert again.returncode == 0 and "(1 already done)" in again.stdout and "running ..." not in again.stdout
 
 
 @pytest.mark.parametrize(
@@ -95,3 +97,12 @@ def test_interrupted_run_keeps_finished_cells(tmp_path: Path) -> None:
     assert [c["id"] for c in summary["cells"]] == ["py3.11-torch2.13.0+cpu-ds0.19.2"]
     assert json.loads((results / "latest" / summary["cells"][0]["file"]).read_text())["verdict"] == "fixed"
     assert not [p for p in results.rglob("*") if p.name.endswith(".tmp")]
+
+    # Re-running the same command completes only the missing cell.
+    rerun = run_cli(*command[3:], cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "(1 already done)" in rerun.stdout
+    assert f"FIXED  (result of run {summary['run_id']}" in rerun.stdout
+    assert rerun.stdout.count("running ...") == 1
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "complete" and [c["verdict"] for c in summary["cells"]] == ["fixed", "fixed"]

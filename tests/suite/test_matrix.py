@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dsmatrix.cells import Cell, select_cells
+from dsmatrix.cells import Cell, plan_cells
 from dsmatrix.errors import ConfigError
 from dsmatrix.matrix import load_matrix
 
@@ -15,10 +15,12 @@ torch = ["2.13.0+cpu"]
 deepspeed = ["0.19.2", "0.19.8"]
 dtype = ["fp32", "bf16"]
 checkpointing = ["off", "on"]
+world_size = ["1", "2"]
 
 [tiers.default]
 python = ["3.11"]
 deepspeed = ["0.19.8"]
+world_size = ["1"]
 """
 
 
@@ -30,9 +32,10 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_bundled_matrix_default_tier(repo: Path) -> None:
     matrix = load_matrix(repo / "matrix" / "matrix.toml")
-    selection = select_cells(matrix.tier("default"), {})
+    selection = plan_cells(matrix, matrix.tier("default"), {})
     assert selection.cells == (Cell("3.11", "2.13.0+cpu", "0.19.2"), Cell("3.11", "2.13.0+cpu", "0.19.8"))
-    assert selection.runtime == {"dtype": ("fp32", "bf16"), "checkpointing": ("off", "on")}
+    assert selection.runtime == {"dtype": ("fp32", "bf16"), "checkpointing": ("off", "on"), "world_size": ("1",)}
+    assert not selection.excluded
 
 
 def test_tier_defaults_to_every_axis_value(tmp_path: Path) -> None:
@@ -42,10 +45,11 @@ def test_tier_defaults_to_every_axis_value(tmp_path: Path) -> None:
 
 
 def test_selection_narrows_and_replaces(tmp_path: Path) -> None:
-    tier = load_matrix(write(tmp_path, GOOD)).tier("default")
-    assert [c.deepspeed for c in select_cells(tier, {"deepspeed": ["0.18.9"]}).cells] == ["0.18.9"]
-    selection = select_cells(tier, {"dtype": ["bf16"], "checkpointing": ["on"]})
-    assert selection.runtime == {"dtype": ("bf16",), "checkpointing": ("on",)}
+    matrix = load_matrix(write(tmp_path, GOOD))
+    tier = matrix.tier("default")
+    assert [c.deepspeed for c in plan_cells(matrix, tier, {"deepspeed": ["0.18.9"]}).cells] == ["0.18.9"]
+    selection = plan_cells(matrix, tier, {"dtype": ["bf16"], "checkpointing": ["on"], "world_size": ["2"]})
+    assert selection.runtime == {"dtype": ("bf16",), "checkpointing": ("on",), "world_size": ("2",)}
     assert Cell("3.11", "2.13.0+cpu", "0.19.8").label == "matrix(py3.11, torch2.13.0+cpu, ds0.19.8)"
 
 
@@ -54,6 +58,15 @@ def test_selection_narrows_and_replaces(tmp_path: Path) -> None:
     [
         ("[axes\npython=", "not valid TOML"),
         (GOOD.replace('dtype = ["fp32", "bf16"]\n', ""), "must define exactly"),
+        (GOOD + '[[rules]]\nid = "r"\nwhen = { torch = "newest" }\nreason = "x"\n', "rules #1 (r): bad specifier"),
+        (GOOD + '[[rules]]\nid = "r"\nwhen = { dtype = "==bf16" }\nreason = "x"\n', "when must map cell axes"),
+        (GOOD + '[[rules]]\nid = "r"\nreason = "x"\n', "rules #1: needs id, when and reason"),
+        (GOOD + '[tiers.pr]\ncombination = "listed"\n', "needs cells = [[python, torch, deepspeed], ...]"),
+        (
+            GOOD + '[tiers.pr]\ncombination = "listed"\ncells = [["3.11", "2.99", "0.19.8"]]\n',
+            "tiers.pr.cells: torch '2.99' not in axes.torch",
+        ),
+        (GOOD + '[tiers.pr]\ncombination = "random"\n', "tiers.pr.combination: 'random' is not one of"),
         (GOOD.replace('"0.19.2"', '"0.19.x"'), "axes.deepspeed: '0.19.x' is not a version"),
         (GOOD.replace('deepspeed = ["0.19.8"]', 'deepspeed = ["0.17.6"]'), "tiers.default.deepspeed: ['0.17.6'] not in axes.deepspeed"),
         (GOOD.replace('python = ["3.11", "3.12"]', 'python = ["3"]'), "must be a minor version"),
@@ -77,6 +90,77 @@ def test_unknown_tier_and_bad_selection(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no tier 'weekly'"):
         matrix.tier("weekly")
     with pytest.raises(ConfigError, match="--deepspeed: 'latest' is not a version"):
-        select_cells(matrix.tier("default"), {"deepspeed": ["latest"]})
+        plan_cells(matrix, matrix.tier("default"), {"deepspeed": ["latest"]})
     with pytest.raises(ConfigError, match="--dtype: 'fp16' is not one of"):
-        select_cells(matrix.tier("default"), {"dtype": ["fp16"]})
+        plan_cells(matrix, matrix.tier("default"), {"dtype": ["fp16"]})
+
+
+RULES = """
+[[rules]]
+id = "local-torch-cp311"
+when = { torch = "==2.13.0+cpu", python = "!=3.11" }
+reason = "local wheel for CPython 3.11 only"
+
+[[rules]]
+id = "old-torch-no-cp313"
+when = { torch = "<2.5", python = ">=3.13" }
+reason = "no cp313 wheels"
+"""
+
+WIDE = (
+    """
+[axes]
+python = ["3.10", "3.11", "3.12", "3.13"]
+torch = ["2.4.1", "2.9.1", "2.13.0+cpu", "2.15.0"]
+deepspeed = ["0.14.5", "0.16.9", "0.17.6", "0.18.9", "0.19.2", "0.19.8"]
+dtype = ["fp32", "bf16"]
+checkpointing = ["off", "on"]
+world_size = ["1", "2"]
+
+[tiers.default]
+python = ["3.11"]
+torch = ["2.13.0+cpu"]
+
+[tiers.pr]
+combination = "listed"
+cells = [["3.11", "2.13.0+cpu", "0.19.8"], ["3.13", "2.4.1", "0.19.8"]]
+
+[tiers.nightly]
+combination = "pairwise"
+
+[tiers.release]
+"""
+    + RULES
+)
+
+
+def test_rules_exclude_cells_and_say_why(tmp_path: Path) -> None:
+    matrix = load_matrix(write(tmp_path, WIDE))
+    release = plan_cells(matrix, matrix.tier("release"), {})
+    assert len(release.cells) + len(release.excluded) == 4 * 4 * 6
+    reasons = {(e.cell.python, e.cell.torch): e.rule.id for e in release.excluded}
+    assert reasons[("3.12", "2.13.0+cpu")] == "local-torch-cp311"
+    assert reasons[("3.13", "2.4.1")] == "old-torch-no-cp313"
+    assert all(matrix.excluded_by(c.values()) is None for c in release.cells)
+    listed = plan_cells(matrix, matrix.tier("pr"), {})
+    assert [c.id for c in listed.cells] == ["py3.11-torch2.13.0+cpu-ds0.19.8"]
+    assert [e.cell.id for e in listed.excluded] == ["py3.13-torch2.4.1-ds0.19.8"]
+
+
+def test_pairwise_covers_every_allowed_pair_with_far_fewer_cells(tmp_path: Path) -> None:
+    matrix = load_matrix(write(tmp_path, WIDE))
+    nightly = plan_cells(matrix, matrix.tier("nightly"), {})
+    release = plan_cells(matrix, matrix.tier("release"), {})
+    assert nightly.cells == plan_cells(matrix, matrix.tier("nightly"), {}).cells, "deterministic"
+    assert all(matrix.excluded_by(c.values()) is None for c in nightly.cells)
+    axes = ("python", "torch", "deepspeed")
+    allowed_pairs = {((a, c.values()[a]), (b, c.values()[b])) for c in release.cells for i, a in enumerate(axes) for b in axes[i + 1 :]}
+    covered = {((a, c.values()[a]), (b, c.values()[b])) for c in nightly.cells for i, a in enumerate(axes) for b in axes[i + 1 :]}
+    assert allowed_pairs <= covered
+    assert len(nightly.cells) < len(release.cells) / 2
+
+
+def test_listed_tier_selection_filters(tmp_path: Path) -> None:
+    matrix = load_matrix(write(tmp_path, WIDE))
+    with pytest.raises(ConfigError, match="tier pr: the selection matches none of its listed cells"):
+        plan_cells(matrix, matrix.tier("pr"), {"deepspeed": ["0.14.5"]})

@@ -61,3 +61,16 @@ def test_exit_code_only_zero_when_all_fixed() -> None:
     assert exit_code(["fixed", "fixed"]) == 0
     assert exit_code(["fixed", "undetected"]) == 1
     assert exit_code([]) == 1
+
+
+def test_ranks_merge_to_the_worst_outcome_and_name_the_rank() -> None:
+    from dsmatrix.run import merge_ranks
+
+    rank0 = {"t::a": TestOutcome("passed", bug="retrace"), "t::b": TestOutcome("skipped", message="n/a"), "t::c": TestOutcome("passed")}
+    rank1 = {"t::a": TestOutcome("failed", bug="retrace", message="differs"), "t::b": TestOutcome("skipped", message="n/a")}
+    merged = merge_ranks([rank0, rank1])
+    assert merged["t::a"].outcome == "failed" and merged["t::a"].message == "rank 1: differs" and merged["t::a"].bug == "retrace"
+    assert merged["t::b"].outcome == "skipped"
+    assert merged["t::c"].outcome == "error" and "not run on rank(s) [1]" in merged["t::c"].message
+    mixed = merge_ranks([{"t::d": TestOutcome("skipped")}, {"t::d": TestOutcome("passed")}])
+    assert mixed["t::d"].outcome == "error"

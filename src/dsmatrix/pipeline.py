@@ -1,0 +1,136 @@
+"""One cell through the pipeline: preflight checks, wheels, environments, tests, verdict.
+
+Everything a cell needs is checked before the run starts (interpreters, versions, patch
+applicability), so bad input fails in one line before anything is written. A cell whose
+set-up or run fails later becomes an ``error`` verdict with the reason; the run goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dsmatrix.builds import build_wheel, fetch_sdist, unpack_sdist
+from dsmatrix.cells import Cell, Selection
+from dsmatrix.environments import check_installable, ensure_environment, find_interpreter, uv_executable
+from dsmatrix.errors import CellError, DiskSpaceError, FatalError
+from dsmatrix.patches import PatchSet, apply_diff
+from dsmatrix.results import Run
+from dsmatrix.run import ENGINE_TESTS, outcome_dict, run_engine_tests
+from dsmatrix.verdict import ERROR, cell_verdict
+
+BUILDS = ("stock", "patched")
+TEST_REQUIREMENTS = ("pytest", "packaging")
+GIB = 1024**3
+# uv cache cost of one new (Python, torch) set, measured here: PyPI's x86_64 torch wheels are
+# CUDA builds (~6.7 GB unpacked with their nvidia-* dependencies); CPU builds ~1 GB.
+TORCH_SET_GIB = {"cuda": 7.0, "cpu": 1.0}
+ENVIRONMENT_GIB = 0.1
+
+
+def engine_tests_digest() -> str:
+    """sha256 over the engine tests' source: a changed test invalidates earlier results."""
+    sha = hashlib.sha256()
+    for path in sorted(ENGINE_TESTS.rglob("*.py")):
+        sha.update(str(path.relative_to(ENGINE_TESTS)).encode() + b"\0" + path.read_bytes())
+    return sha.hexdigest()
+
+
+def fingerprint(cell: Cell, runtime: dict[str, list[str]], patch: PatchSet, suite: str) -> str:
+    """What makes a cell result reusable: versions, runtime axes, patch and test-suite hashes."""
+    data = {"cell": cell.values(), "runtime": runtime, "patch": patch.sha256, "suite": suite}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def cache_size() -> str:
+    """uv's own report of its cache size (the bulk of the disk the matrix uses)."""
+    proc = subprocess.run([uv_executable(), "cache", "size", "--human"], capture_output=True, text=True)
+    return proc.stdout.strip() or "unknown"
+
+
+def check_disk(selection: Selection, cache: Path) -> float:
+    """Refuse a run that would not fit the free disk; returns the estimate in GiB."""
+    new_sets = {(c.python, c.torch) for c in selection.cells if not (cache / "builders" / f"py{c.python}-torch{c.torch}").exists()}
+    need = sum(TORCH_SET_GIB["cpu" if "+cpu" in torch else "cuda"] for _, torch in new_sets)
+    need += ENVIRONMENT_GIB * 2 * len(selection.cells)
+    cache.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(cache).free / GIB
+    if need > free:
+        raise DiskSpaceError(
+            f"{cache}: the selected cells need about {need:.1f} GiB ({len(new_sets)} new torch set(s)), only {free:.1f} GiB free"
+        )
+    return need
+
+
+def preflight(selection: Selection, patch: PatchSet, cache: Path) -> None:
+    """Check every input the run depends on; raises a one-line FatalError on the first problem."""
+    for python in sorted({c.python for c in selection.cells}):
+        find_interpreter(python)
+    for python, torch in sorted({(c.python, c.torch) for c in selection.cells}):
+        check_installable(f"torch=={torch}", python)
+    for deepspeed in sorted({c.deepspeed for c in selection.cells}):
+        diff = patch.diff_for(deepspeed)
+        sdist = fetch_sdist(deepspeed, cache)
+        with tempfile.TemporaryDirectory() as tmp:
+            apply_diff(diff, unpack_sdist(sdist, Path(tmp)), deepspeed)
+
+
+def run_cell(cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run: Run, fingerprint: str) -> dict[str, Any]:
+    """Build, install and test one cell; set-up and run failures become an ``error`` verdict."""
+    started = time.monotonic()
+    result: dict[str, Any] = {
+        "schema": 1,
+        "fingerprint": fingerprint,
+        "cell": {**cell.as_dict(), "label": cell.label},
+        "runtime": {axis: list(v) for axis, v in selection.runtime.items()},
+        "patch": patch.describe(),
+        "builds": {},
+        "timings": {},
+    }
+    setup_s = tests_s = 0.0
+    try:
+        envs = {}
+        for build in BUILDS:
+            wheel = build_wheel(cell, cache, patch if build == "patched" else None)
+            key = f"patched-{patch.short}" if build == "patched" else "stock"
+            envs[build] = ensure_environment(
+                cache / "envs" / cell.id / key,
+                find_interpreter(cell.python),
+                [f"torch=={cell.torch}", str(wheel.wheel), *TEST_REQUIREMENTS],
+                f"{cell.label} {build}",
+            )
+            result["builds"][build] = {"wheel": wheel.wheel.name, "build_info": wheel.info, "installed": envs[build].installed}
+        setup_s = time.monotonic() - started
+        runs = {}
+        for build in BUILDS:
+            key = result["builds"][build]["build_info"].get("wheel_sha256", build)[:12]
+            runs[build] = run_engine_tests(
+                envs[build].python,
+                cache / "torch-extensions" / cell.id / key,
+                selection.runtime,
+                run.root / "raw",
+                f"{cell.id}-{build}",
+            )
+            result["builds"][build].update(
+                junit=[str(path.relative_to(run.root)) for path in runs[build].junits],
+                tests_s=round(runs[build].duration_s, 1),
+                tests={t: outcome_dict(o) for t, o in sorted(runs[build].outcomes.items())},
+            )
+        tests_s = time.monotonic() - started - setup_s
+        verdict = cell_verdict(runs["stock"].outcomes, runs["patched"].outcomes)
+        result.update(verdict=verdict.verdict, reasons=list(verdict.reasons))
+    except CellError as exc:
+        result.update(verdict=ERROR, reasons=[str(exc)])
+    except FatalError as exc:  # e.g. an interpreter that vanished since the preflight
+        result.update(verdict=ERROR, reasons=[str(exc)])
+    except Exception as exc:  # noqa: BLE001 - one cell's crash must not lose the others
+        result.update(verdict=ERROR, reasons=[f"internal error: {type(exc).__name__}: {exc}"])
+    result["timings"] = {"setup_s": round(setup_s, 1), "tests_s": round(tests_s, 1), "total_s": round(time.monotonic() - started, 1)}
+    result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return result
