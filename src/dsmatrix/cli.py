@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dsmatrix import __version__
 from dsmatrix.cells import Selection, plan_cells
-from dsmatrix.errors import FatalError
+from dsmatrix.errors import ConfigError, FatalError
 from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, load_matrix
 from dsmatrix.patches import load_patch_set
 from dsmatrix.pipeline import cache_size, check_disk, engine_tests_digest, fingerprint, preflight, run_cell
@@ -81,6 +81,9 @@ def command_matrix(args: argparse.Namespace) -> int:
     if args.plan:
         print_plan(selection, args.json)
         return 0
+    if not selection.cells:
+        rules = ", ".join(sorted({e.rule.id for e in selection.excluded}))
+        raise ConfigError(f"tier {args.tier}: the selection leaves no cell to run ({len(selection.excluded)} excluded by {rules})")
     patch = load_patch_set(args.patch)
     runtime = {a: list(v) for a, v in selection.runtime.items()}
     suite = engine_tests_digest()

@@ -27,7 +27,12 @@ def test_malformed_matrix_file(tmp_path: Path) -> None:
 
 
 def test_missing_interpreter(tmp_path: Path) -> None:
-    check_one_line_error(tmp_path, "--python", "3.99", expect="Python 3.99: no interpreter found")
+    args = ("--python", "3.99", "--torch", "2.9.1", "--deepspeed", "0.19.8")
+    check_one_line_error(tmp_path, *args, expect="Python 3.99: no interpreter found")
+
+
+def test_selection_that_only_hits_excluded_cells(tmp_path: Path) -> None:
+    check_one_line_error(tmp_path, "--python", "3.12", expect="leaves no cell to run (2 excluded by torch-2.13.0+cpu-is-cp311-only)")
 
 
 def test_unknown_torch_version(tmp_path: Path) -> None:
