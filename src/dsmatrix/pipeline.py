@@ -19,7 +19,7 @@ from typing import Any
 from dsmatrix.builds import build_wheel, fetch_sdist, unpack_sdist
 from dsmatrix.cells import Cell, Selection
 from dsmatrix.environments import check_installable, ensure_environment, find_interpreter, uv_executable
-from dsmatrix.errors import CellError, DiskSpaceError, FatalError
+from dsmatrix.errors import DiskSpaceError, FatalError
 from dsmatrix.patches import PatchSet, apply_diff
 from dsmatrix.results import Run
 from dsmatrix.run import ENGINE_TESTS, outcome_dict, run_engine_tests
@@ -125,12 +125,10 @@ def run_cell(cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run
         tests_s = time.monotonic() - started - setup_s
         verdict = cell_verdict(runs["stock"].outcomes, runs["patched"].outcomes)
         result.update(verdict=verdict.verdict, reasons=list(verdict.reasons))
-    except CellError as exc:
-        result.update(verdict=ERROR, reasons=[str(exc)])
-    except FatalError as exc:  # e.g. an interpreter that vanished since the preflight
-        result.update(verdict=ERROR, reasons=[str(exc)])
+    except FatalError as exc:  # CellError, or e.g. an interpreter that vanished since the preflight
+        result.update(verdict=ERROR, reasons=[str(exc)], error_kind=type(exc).__name__)
     except Exception as exc:  # noqa: BLE001 - one cell's crash must not lose the others
-        result.update(verdict=ERROR, reasons=[f"internal error: {type(exc).__name__}: {exc}"])
+        result.update(verdict=ERROR, reasons=[f"internal error: {type(exc).__name__}: {exc}"], error_kind="internal")
     result["timings"] = {"setup_s": round(setup_s, 1), "tests_s": round(tests_s, 1), "total_s": round(time.monotonic() - started, 1)}
     result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return result

@@ -56,7 +56,7 @@ NOT_FIXED = cell(
         "patched": {"test_retrace::t[fp32]": {"outcome": "failed", "bug": "retrace", "message": "differs"}},
     },
 )
-ERRORED = cell("0.19.6", "error", ["matrix(...) stock: install torch: no solution"])
+ERRORED = {**cell("0.19.6", "error", ["matrix(...) stock: install torch: no solution"]), "error_kind": "InstallError"}
 
 
 def test_run_keeps_each_finished_cell_and_points_latest(tmp_path: Path) -> None:
@@ -84,6 +84,7 @@ def test_report_shows_every_verdict_and_test_grid() -> None:
         "patch": PATCH,
         "runtime": {"dtype": ["fp32"]},
         "host": {"machine": "x86_64", "cpu": "cpu", "system": "linux"},
+        "excluded": [{"cell": {"label": "matrix(py3.13, torch2.4.1, ds0.19.8)"}, "rule": "no-cp313", "reason": "no wheels"}],
     }
     text = render_markdown(summary, [FIXED, NOT_FIXED, ERRORED])
     assert "**NOT QUALIFIED**" in text
@@ -91,6 +92,8 @@ def test_report_shows_every_verdict_and_test_grid() -> None:
         assert verdict in text
     assert "| `test_retrace::t[fp32]` | retrace | FAIL / pass | FAIL / FAIL | – / – |" in text
     assert "matrix(...) stock: install torch: no solution" in text
+    assert "| matrix(py3.13, torch2.4.1, ds0.19.8) | `no-cp313` | no wheels |" in text
+    assert 'when = { python = "==3.11", torch = "==2.13.0+cpu", deepspeed = "==0.19.6" }' in text
     assert "0.19.8+patched.ab" in text
     assert "QUALIFIED**" in render_markdown(summary, [FIXED]) and "NOT" not in render_markdown(summary, [FIXED]).split("\n")[2]
 
