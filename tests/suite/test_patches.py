@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -32,7 +33,8 @@ def tree(tmp_path: Path, text: str = ORIGINAL) -> Path:
 
 def test_bundled_manifest_maps_every_range(repo: Path) -> None:
     patch = load_patch_set(repo / "patches" / "zero3-release-cache")
-    assert patch.diff_for("0.14.5").name == "deepspeed-0.14-0.17.diff"
+    assert patch.diff_for("0.14.5").name == "deepspeed-0.14-0.15.diff"
+    assert patch.diff_for("0.16.9").name == "deepspeed-0.16-0.17.diff"
     assert patch.diff_for("0.18.9").name == "deepspeed-0.18.diff"
     assert patch.diff_for("0.19.2").name == "deepspeed-0.19.0-0.19.2.diff"
     assert patch.diff_for("0.19.8").name == "deepspeed-0.19.3-and-later.diff"
@@ -91,7 +93,7 @@ def test_malformed_patch_sets(tmp_path: Path) -> None:
         load_patch_set(folder)
 
 
-@pytest.mark.parametrize("version", ["0.14.5", "0.16.9", "0.17.6", "0.18.9", "0.19.2", "0.19.8"])
+@pytest.mark.parametrize("version", ["0.14.5", "0.15.4", "0.16.9", "0.17.6", "0.18.9", "0.19.2", "0.19.8"])
 def test_bundled_diffs_apply_to_real_releases(repo: Path, version: str) -> None:
     """The real sdist from the package index, patched exactly as a build patches it."""
     patch = load_patch_set(repo / "patches" / "zero3-release-cache")
@@ -100,6 +102,10 @@ def test_bundled_diffs_apply_to_real_releases(repo: Path, version: str) -> None:
         src = unpack_sdist(sdist, Path(tmp))
         apply_diff(patch.diff_for(version), src, version)
         patched = (src / TARGET).read_text()
+        offload = (src / "deepspeed" / "runtime" / "zero" / "parameter_offload.py").read_text()
+    # The cache key must use the module-id attribute this release assigns (0.14/0.15: `id`).
+    (id_attribute,) = re.findall(r"module\.(ds_id|id) = my_count", offload)
+    assert f"key = (submodule_to_release.{id_attribute}, step_id)" in patched
     assert "functools.lru_cache" not in patched
     assert "self.__params_to_release_cache = {}" in patched
     assert ".update(recompute_params)" not in patched
