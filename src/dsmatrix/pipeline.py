@@ -26,7 +26,8 @@ from dsmatrix.run import ENGINE_TESTS, outcome_dict, run_engine_tests
 from dsmatrix.verdict import ERROR, cell_verdict
 
 BUILDS = ("stock", "patched")
-TEST_REQUIREMENTS = ("pytest", "packaging")
+# setuptools: torch.utils.cpp_extension imports it to JIT-build DeepSpeed's comm op (torch 2.4)
+TEST_REQUIREMENTS = ("pytest", "packaging", "setuptools")
 GIB = 1024**3
 # uv cache cost of one new (Python, torch) set, measured here: PyPI's x86_64 torch wheels are
 # CUDA builds (~6.7 GB unpacked with their nvidia-* dependencies); CPU builds ~1 GB.

@@ -34,6 +34,10 @@ def cell_verdict(stock: Mapping[str, TestOutcome], patched: Mapping[str, TestOut
     skew = [t for t in stock if (stock[t].outcome == "skipped") != (patched[t].outcome == "skipped")]
     if skew:
         return Verdict(ERROR, tuple(f"{t}: skipped on one build only" for t in sorted(skew)))
+    both_errored = [t for t in sorted(stock) if stock[t].outcome == patched[t].outcome == "error"]
+    if both_errored:
+        first = both_errored[0]
+        return Verdict(ERROR, (f"{len(both_errored)} test(s) errored on both builds, e.g. {first}: {stock[first].message}",))
     applicable = [t for t in sorted(stock) if stock[t].outcome != "skipped"]
     bug_tests = [t for t in applicable if stock[t].bug]
     if not bug_tests:

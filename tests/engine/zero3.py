@@ -196,6 +196,22 @@ def release_from_fwd_module_stack(models: Sequence[weakref.ref]) -> int:
     return removed
 
 
+def release_grad_accumulators(engine: Any) -> int:
+    """Drop the AccumulateGrad nodes DeepSpeed 0.14/0.15 keep in ``optimizer.grad_accs``; count them.
+
+    Those releases keep the nodes after ``destroy()``; each holds its parameter from C++, which
+    closes a reference cycle (parameter -> ZeRO closures -> Init -> model) that Python's GC
+    cannot see, so every engine leaks whatever the release cache does. Like FWD_MODULE_STACK,
+    it is unrelated to the fix: callers report the count and never hide it.
+    """
+    nodes = getattr(engine.optimizer, "grad_accs", None)
+    if not isinstance(nodes, list):
+        return 0
+    count = len(nodes)
+    nodes.clear()
+    return count
+
+
 def collect() -> None:
     for _ in range(3):
         gc.collect()

@@ -48,6 +48,8 @@ def test_errors_and_mismatches() -> None:
     assert cell_verdict(outcomes(), {}).verdict == "error"
     assert cell_verdict(outcomes(control="failed"), outcomes(**PATCHED_OK)).verdict == "error"
     assert cell_verdict(outcomes(retrace="error"), outcomes(**PATCHED_OK)).verdict == "error"
+    both = cell_verdict(outcomes(control="error"), outcomes(**{**PATCHED_OK, "control": "error"}))
+    assert both.verdict == "error" and both.reasons == ("1 test(s) errored on both builds, e.g. t::control: control error",)
     only_controls = {"t::control": TestOutcome("passed")}
     assert cell_verdict(only_controls, only_controls).verdict == "error"
 
