@@ -147,8 +147,9 @@ def test_rules_exclude_cells_and_say_why(tmp_path: Path) -> None:
     assert [e.cell.id for e in listed.excluded] == ["py3.13-torch2.4.1-ds0.19.8"]
 
 
-def test_pairwise_covers_every_allowed_pair_with_far_fewer_cells(tmp_path: Path) -> None:
-    matrix = load_matrix(write(tmp_path, WIDE))
+@pytest.mark.parametrize("bundled", [False, True], ids=["test-matrix", "bundled-matrix"])
+def test_pairwise_covers_every_allowed_pair_with_far_fewer_cells(tmp_path: Path, repo: Path, bundled: bool) -> None:
+    matrix = load_matrix(repo / "matrix" / "matrix.toml" if bundled else write(tmp_path, WIDE))
     nightly = plan_cells(matrix, matrix.tier("nightly"), {})
     release = plan_cells(matrix, matrix.tier("release"), {})
     assert nightly.cells == plan_cells(matrix, matrix.tier("nightly"), {}).cells, "deterministic"

@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from dsmatrix.cells import Cell, Selection
+from dsmatrix.errors import DiskSpaceError
+from dsmatrix.patches import load_patch_set
+from dsmatrix.pipeline import GIB, check_disk, engine_tests_digest, fingerprint
+
+Usage = namedtuple("Usage", "total used free")
+RUNTIME = {"dtype": ("fp32",), "checkpointing": ("off",), "world_size": ("1",)}
+
+
+def test_disk_check_refuses_a_run_that_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(100 * GIB, 98 * GIB, 2 * GIB))
+    cuda = Selection((Cell("3.12", "2.9.1", "0.19.8"),), RUNTIME)
+    with pytest.raises(DiskSpaceError, match=r"need about 7\.2 GiB \(1 new torch set\(s\)\), only 2\.0 GiB free"):
+        check_disk(cuda, tmp_path)
+    (tmp_path / "builders" / "py3.12-torch2.9.1").mkdir(parents=True)  # that torch set is cached already
+    assert check_disk(cuda, tmp_path) == pytest.approx(0.2)
+
+
+def test_fingerprint_follows_versions_runtime_patch_and_suite(repo: Path) -> None:
+    patch = load_patch_set(repo / "patches" / "zero3-release-cache")
+    cell = Cell("3.11", "2.13.0+cpu", "0.19.8")
+    runtime = {axis: list(v) for axis, v in RUNTIME.items()}
+    base = fingerprint(cell, runtime, patch, engine_tests_digest())
+    assert base == fingerprint(cell, runtime, patch, engine_tests_digest())
+    assert base != fingerprint(Cell("3.11", "2.13.0+cpu", "0.19.2"), runtime, patch, engine_tests_digest())
+    assert base != fingerprint(cell, {**runtime, "world_size": ["1", "2"]}, patch, engine_tests_digest())
+    assert base != fingerprint(cell, runtime, patch, "another test suite")
