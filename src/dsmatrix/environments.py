@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsmatrix.errors import InstallError, InterpreterNotFound, UnknownVersionError
+from dsmatrix.errors import FatalError, InstallError, InterpreterNotFound, UnknownVersionError
 
 UV_ENV = {"UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"}
 MARKER = "dsmatrix-env.json"
@@ -85,15 +85,17 @@ def find_interpreter(version: str) -> Path:
     )
 
 
-def run_uv(args: Sequence[str], what: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
-    """Run uv; an InstallError carries the last line uv printed about the problem."""
+def run_uv(
+    args: Sequence[str], what: str, timeout: float = 1800, stdin: str | None = None, error: type[FatalError] = InstallError
+) -> subprocess.CompletedProcess[str]:
+    """Run uv; a failure raises ``error`` carrying what uv said about the problem, on one line."""
     env = {**os.environ, **UV_ENV}
     try:
-        proc = subprocess.run([uv_executable(), *args], capture_output=True, text=True, env=env, timeout=timeout)
+        proc = subprocess.run([uv_executable(), *args], input=stdin, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise InstallError(f"{what}: uv timed out after {timeout:.0f} s") from None
+        raise error(f"{what}: uv timed out after {timeout:.0f} s") from None
     if proc.returncode != 0:
-        raise InstallError(f"{what}: {uv_error(proc.stderr)}")
+        raise error(f"{what}: {uv_error(proc.stderr)}")
     return proc
 
 
@@ -106,30 +108,14 @@ def uv_error(stderr: str) -> str:
 
 def check_installable(requirement: str, python: str) -> None:
     """Resolve ``requirement`` alone (no download of wheels); UnknownVersionError if impossible."""
-    env = {**os.environ, **UV_ENV}
-    proc = subprocess.run(
-        [
-            uv_executable(),
-            "pip",
-            "compile",
-            "-",
-            "--no-deps",
-            "--quiet",
-            "--no-header",
-            "--python-version",
-            python,
-            "--index-strategy",
-            "unsafe-best-match",
-            *pip_sources(),
-        ],
-        input=requirement + "\n",
-        capture_output=True,
-        text=True,
-        env=env,
+    run_uv(
+        ["pip", "compile", "-", "--no-deps", "--quiet", "--no-header", "--python-version", python,
+         "--index-strategy", "unsafe-best-match", *pip_sources()],
+        f"{requirement} for Python {python}: not installable here",
         timeout=300,
-    )
-    if proc.returncode != 0:
-        raise UnknownVersionError(f"{requirement} for Python {python}: not installable here: {uv_error(proc.stderr)}")
+        stdin=requirement + "\n",
+        error=UnknownVersionError,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
