@@ -40,7 +40,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     matrix.add_argument("--matrix", type=Path, default=REPO / "matrix" / "matrix.toml", help="matrix file")
     matrix.add_argument("--tier", default="default")
     for axis in CELL_AXES + RUNTIME_AXES:
-        matrix.add_argument(f"--{axis}", action="append", metavar="VALUE", help=f"select {axis} value(s) (repeat or comma-separate)")
+        flag = f"--{axis.replace('_', '-')}"
+        matrix.add_argument(flag, dest=axis, action="append", metavar="VALUE", help=f"select {axis} value(s) (repeat or comma-separate)")
     matrix.add_argument("--patch", type=Path, default=REPO / "patches" / "zero3-release-cache", help="manifest folder or a single diff")
     matrix.add_argument("--results", type=Path, default=Path("results"))
     matrix.add_argument("--cache-dir", type=Path, default=default_cache())

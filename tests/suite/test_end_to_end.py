@@ -40,6 +40,20 @@ def test_bundled_fix_is_fixed_with_every_bug_seen_on_stock(tmp_path: Path) -> No
     assert again.returncode == 0 and "(1 already done)" in again.stdout and "running ..." not in again.stdout
 
 
+def test_two_ranks_see_every_bug(tmp_path: Path) -> None:
+    """World size 2: one pytest per rank on one gloo rendezvous, outcomes merged per test."""
+    args = ("--deepspeed", "0.19.8", "--world-size", "2", "--dtype", "fp32", "--checkpointing", "on")
+    proc = run_cli("matrix", *args, "--results", str(tmp_path / "results"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = cell_result(tmp_path / "results")
+    stock = result["builds"]["stock"]["tests"]
+    assert result["verdict"] == "fixed" and all(test_id.endswith("@ws2") for test_id in stock)
+    assert {o["bug"] for o in stock.values() if o.get("bug") and o["outcome"] == "failed"} == {"lifecycle", "retrace", "recompute"}
+    lifecycle = next(o for t, o in result["builds"]["patched"]["tests"].items() if t.startswith("test_lifecycle::"))
+    assert lifecycle["properties"]["rank0.surviving_coordinators"] == lifecycle["properties"]["rank1.surviving_coordinators"] == [0, 0, 0]
+    assert len(result["builds"]["stock"]["junit"]) == 2
+
+
 @pytest.mark.parametrize(
     ("candidate", "failing_test"),
     [
