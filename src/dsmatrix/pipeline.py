@@ -120,6 +120,7 @@ def run_cell(cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run
             )
             result["builds"][build].update(
                 junit=[str(path.relative_to(run.root)) for path in runs[build].junits],
+                logs=[str(path.relative_to(run.root)) for path in runs[build].logs],
                 tests_s=round(runs[build].duration_s, 1),
                 tests={t: outcome_dict(o) for t, o in sorted(runs[build].outcomes.items())},
             )

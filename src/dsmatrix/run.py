@@ -43,7 +43,7 @@ class TestRun:
     outcomes: Mapping[str, TestOutcome]
     duration_s: float
     junits: tuple[Path, ...]
-    logs: Path
+    logs: tuple[Path, ...]
 
 
 def free_port() -> int:
@@ -86,14 +86,16 @@ def run_engine_tests(
     started = time.monotonic()
     outcomes: dict[str, TestOutcome] = {}
     junits: list[Path] = []
+    logs: list[Path] = []
     for world_size in (int(ws) for ws in runtime.get("world_size", ("1",))):
         per_rank = _run_ranks(python, extensions_dir, runtime, world_size, out_dir, name, timeout_s)
         junits += [junit for junit, _ in per_rank]
+        logs += [log for _, log in per_rank]
         merged = merge_ranks([read_junit(junit) for junit, _ in per_rank])
         outcomes.update({f"{test_id}@ws{world_size}": outcome for test_id, outcome in merged.items()})
     if not outcomes:
         raise RunError(f"engine tests collected nothing (logs: {out_dir})")
-    return TestRun(outcomes, time.monotonic() - started, tuple(junits), out_dir)
+    return TestRun(outcomes, time.monotonic() - started, tuple(junits), tuple(logs))
 
 
 def _run_ranks(

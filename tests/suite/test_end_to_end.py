@@ -51,7 +51,7 @@ def test_two_ranks_see_every_bug(tmp_path: Path) -> None:
     assert {o["bug"] for o in stock.values() if o.get("bug") and o["outcome"] == "failed"} == {"lifecycle", "retrace", "recompute"}
     lifecycle = next(o for t, o in result["builds"]["patched"]["tests"].items() if t.startswith("test_lifecycle::"))
     assert lifecycle["properties"]["rank0.surviving_coordinators"] == lifecycle["properties"]["rank1.surviving_coordinators"] == [0, 0, 0]
-    assert len(result["builds"]["stock"]["junit"]) == 2
+    assert len(result["builds"]["stock"]["junit"]) == len(result["builds"]["stock"]["logs"]) == 2
 
 
 @pytest.mark.parametrize(
