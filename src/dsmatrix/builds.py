@@ -61,10 +61,20 @@ def unpack_sdist(sdist: Path, into: Path) -> Path:
     return tree
 
 
+def builder_dir(python: str, torch: str, cache: Path) -> Path:
+    """Where the builder for (Python, torch) lives; it exists once that torch set is cached."""
+    return cache / "builders" / f"py{python}-torch{torch}"
+
+
+def build_key(patch: PatchSet | None) -> str:
+    """Cache key of a build: ``stock`` or ``patched-<sha12>``."""
+    return f"patched-{patch.short}" if patch else "stock"
+
+
 def builder_environment(cell: Cell, cache: Path) -> Environment:
     """An environment with the cell's Python and torch plus setup.py's build needs."""
     return ensure_environment(
-        cache / "builders" / f"py{cell.python}-torch{cell.torch}",
+        builder_dir(cell.python, cell.torch, cache),
         find_interpreter(cell.python),
         [f"torch=={cell.torch}", *BUILD_REQUIREMENTS],
         f"{cell.label} builder",
@@ -72,8 +82,7 @@ def builder_environment(cell: Cell, cache: Path) -> Environment:
 
 
 def _wheel_dir(cell: Cell, cache: Path, patch: PatchSet | None) -> Path:
-    build = f"patched-{patch.short}" if patch else "stock"
-    return cache / "wheels" / f"deepspeed-{cell.deepspeed}" / f"py{cell.python}-torch{cell.torch}" / build
+    return cache / "wheels" / f"deepspeed-{cell.deepspeed}" / f"py{cell.python}-torch{cell.torch}" / build_key(patch)
 
 
 def build_wheel(cell: Cell, cache: Path, patch: PatchSet | None) -> BuiltWheel:

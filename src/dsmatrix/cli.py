@@ -91,8 +91,9 @@ def command_matrix(args: argparse.Namespace) -> int:
     prints = {cell: fingerprint(cell, runtime, patch, suite) for cell in selection.cells}
     reusable = {} if args.fresh else {c: r for c in selection.cells if (r := find_finished(args.results, prints[c])) is not None}
     todo = [c for c in selection.cells if c not in reusable]
-    preflight(Selection(tuple(todo), selection.runtime), patch, args.cache_dir)
-    need = check_disk(Selection(tuple(todo), selection.runtime), args.cache_dir)
+    pending = Selection(tuple(todo), selection.runtime)
+    preflight(pending, patch, args.cache_dir)
+    need = check_disk(pending, args.cache_dir)
     excluded = [
         {"cell": {**e.cell.as_dict(), "label": e.cell.label}, "rule": e.rule.id, "reason": e.rule.reason} for e in selection.excluded
     ]

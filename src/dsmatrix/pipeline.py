@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsmatrix.builds import build_wheel, fetch_sdist, unpack_sdist
+from dsmatrix.builds import build_key, build_wheel, builder_dir, fetch_sdist, unpack_sdist
 from dsmatrix.cells import Cell, Selection
 from dsmatrix.environments import check_installable, ensure_environment, find_interpreter, uv_executable
 from dsmatrix.errors import DiskSpaceError, FatalError
@@ -57,7 +57,7 @@ def cache_size() -> str:
 
 def check_disk(selection: Selection, cache: Path) -> float:
     """Refuse a run that would not fit the free disk; returns the estimate in GiB."""
-    new_sets = {(c.python, c.torch) for c in selection.cells if not (cache / "builders" / f"py{c.python}-torch{c.torch}").exists()}
+    new_sets = {(c.python, c.torch) for c in selection.cells if not builder_dir(c.python, c.torch, cache).exists()}
     need = sum(TORCH_SET_GIB["cpu" if "+cpu" in torch else "cuda"] for _, torch in new_sets)
     need += ENVIRONMENT_GIB * 2 * len(selection.cells)
     cache.mkdir(parents=True, exist_ok=True)
@@ -98,10 +98,10 @@ def run_cell(cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run
     try:
         envs = {}
         for build in BUILDS:
-            wheel = build_wheel(cell, cache, patch if build == "patched" else None)
-            key = f"patched-{patch.short}" if build == "patched" else "stock"
+            build_patch = patch if build == "patched" else None
+            wheel = build_wheel(cell, cache, build_patch)
             envs[build] = ensure_environment(
-                cache / "envs" / cell.id / key,
+                cache / "envs" / cell.id / build_key(build_patch),
                 find_interpreter(cell.python),
                 [f"torch=={cell.torch}", str(wheel.wheel), *TEST_REQUIREMENTS],
                 f"{cell.label} {build}",
