@@ -1,4 +1,4 @@
-"""Cells: one (Python, torch, DeepSpeed) combination, tested stock vs patched.
+"""Cells: one (Python, torch, DeepSpeed) combination on one platform, tested stock vs patched.
 
 A tier's cells come from its cell axes, combined as the tier says: ``product`` (every
 combination), ``pairwise`` (an all-pairs covering made by allpairspy: every allowed pair of
@@ -6,6 +6,7 @@ values appears in at least one cell) or ``listed``. Compatibility rules exclude 
 cells are kept in the plan with their rule, never silently dropped. A command-line selection
 narrows an axis (``--deepspeed 0.19.8``) or, in product and pairwise tiers, replaces it with a
 value the tier does not list (to try a new release before adding it to the matrix file).
+Each platform is planned on its own, with the tier's values for that platform.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from dataclasses import dataclass
 from packaging.version import Version
 
 from dsmatrix.errors import ConfigError
-from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, Matrix, Rule, Tier, check_value
+from dsmatrix.matrix import CELL_AXES, PLATFORM, PLATFORMS, RUNTIME_AXES, Matrix, Rule, Tier, check_value
+
+DEFAULT_PLATFORM = PLATFORMS[0]  # unmarked in cell ids and labels
 
 
 @dataclass(frozen=True, order=True)
@@ -25,21 +28,28 @@ class Cell:
     python: str
     torch: str
     deepspeed: str
+    platform: str = DEFAULT_PLATFORM
+
+    @property
+    def arch(self) -> str:
+        return self.platform.split("/", 1)[1]
 
     @property
     def id(self) -> str:
-        """Filesystem-safe, readable id, e.g. ``py3.11-torch2.13.0+cpu-ds0.19.8``."""
-        return f"py{self.python}-torch{self.torch}-ds{self.deepspeed}"
+        """Filesystem-safe, readable id, e.g. ``py3.11-torch2.13.0+cpu-ds0.19.8`` (``-arm64`` on arm64)."""
+        suffix = "" if self.platform == DEFAULT_PLATFORM else f"-{self.arch}"
+        return f"py{self.python}-torch{self.torch}-ds{self.deepspeed}{suffix}"
 
     @property
     def label(self) -> str:
-        return f"matrix(py{self.python}, torch{self.torch}, ds{self.deepspeed})"
+        suffix = "" if self.platform == DEFAULT_PLATFORM else f", {self.arch}"
+        return f"matrix(py{self.python}, torch{self.torch}, ds{self.deepspeed}{suffix})"
 
-    def sort_key(self) -> tuple[Version, Version, Version]:
-        return (Version(self.python), Version(self.torch), Version(self.deepspeed))
+    def sort_key(self) -> tuple[str, Version, Version, Version]:
+        return (self.platform, Version(self.python), Version(self.torch), Version(self.deepspeed))
 
     def values(self) -> dict[str, str]:
-        return {"python": self.python, "torch": self.torch, "deepspeed": self.deepspeed}
+        return {"python": self.python, "torch": self.torch, "deepspeed": self.deepspeed, PLATFORM: self.platform}
 
     def as_dict(self) -> dict[str, str]:
         return {"id": self.id, **self.values()}
@@ -73,23 +83,24 @@ def _pairs(cell: Cell) -> set[tuple[tuple[str, str], tuple[str, str]]]:
     return {((a, values[a]), (b, values[b])) for a, b in itertools.combinations(CELL_AXES, 2)}
 
 
-def pairwise(values: Mapping[str, Sequence[str]], matrix: Matrix) -> list[Cell]:
+def pairwise(values: Mapping[str, Sequence[str]], matrix: Matrix, platform: str = DEFAULT_PLATFORM) -> list[Cell]:
     """A deterministic all-pairs covering of the cell axes that respects the rules.
 
     allpairspy builds the covering with the rules as its filter; a filter can leave an allowed
     pair uncovered, so any such pair is then covered greedily from the allowed product.
     """
     axes = [list(values[a]) for a in CELL_AXES]
-    allowed = [c for c in (Cell(*combo) for combo in itertools.product(*axes)) if matrix.excluded_by(c.values()) is None]
+    product = (Cell(*combo, platform=platform) for combo in itertools.product(*axes))
+    allowed = [c for c in product if matrix.excluded_by(c.values()) is None]
     if sum(len(v) > 1 for v in axes) < 2:  # allpairspy needs two varying axes
         return allowed
 
     def allowed_row(row: list[str]) -> bool:
-        return matrix.excluded_by(dict(zip(CELL_AXES, row, strict=False))) is None
+        return matrix.excluded_by({**dict(zip(CELL_AXES, row, strict=False)), PLATFORM: platform}) is None
 
     from allpairspy import AllPairs  # imported here: the noxfile lists cells without it
 
-    cells = [Cell(*combo) for combo in AllPairs(axes, filter_func=allowed_row)]
+    cells = [Cell(*combo, platform=platform) for combo in AllPairs(axes, filter_func=allowed_row)]
     uncovered = set().union(*map(_pairs, allowed)) - set().union(*map(_pairs, cells))
     while uncovered:
         best = max(allowed, key=lambda c: len(_pairs(c) & uncovered))
@@ -98,16 +109,32 @@ def pairwise(values: Mapping[str, Sequence[str]], matrix: Matrix) -> list[Cell]:
     return cells
 
 
-def plan_cells(matrix: Matrix, tier: Tier, wanted: Mapping[str, Sequence[str] | None]) -> Selection:
-    """Expand ``tier`` into cells, narrowed by ``wanted`` (axis -> values from the CLI)."""
+def plan_cells(matrix: Matrix, tier: Tier, wanted: Mapping[str, Sequence[str] | None], platforms: Sequence[str] = ()) -> Selection:
+    """Expand ``tier`` into cells on each of ``platforms``, narrowed by ``wanted`` (axis -> values from the CLI).
+
+    The runtime axes are the tier's (or the CLI's) on the first platform.
+    """
+    platforms = tuple(dict.fromkeys(platforms)) or (DEFAULT_PLATFORM,)
+    for platform in platforms:
+        check_value(PLATFORM, platform, "--platform")
+    plans = [_plan_platform(matrix, tier.on(platform), wanted, platform) for platform in platforms]
+    listed = [p for p in plans if p.cells or p.excluded]
+    if tier.combination == "listed" and not listed:
+        raise ConfigError(f"tier {tier.name}: the selection matches none of its listed cells")
+    return Selection(
+        cells=tuple(c for p in plans for c in p.cells),
+        runtime=plans[0].runtime,
+        excluded=tuple(e for p in plans for e in p.excluded),
+    )
+
+
+def _plan_platform(matrix: Matrix, tier: Tier, wanted: Mapping[str, Sequence[str] | None], platform: str) -> Selection:
     values = {axis: _narrow(axis, tier.values[axis], wanted.get(axis)) for axis in CELL_AXES + RUNTIME_AXES}
-    product = [Cell(*combo) for combo in itertools.product(*(values[a] for a in CELL_AXES))]
+    product = [Cell(*combo, platform=platform) for combo in itertools.product(*(values[a] for a in CELL_AXES))]
     if tier.combination == "listed":
-        candidates = [Cell(*c) for c in tier.cells if all(v in values[a] for a, v in zip(CELL_AXES, c, strict=True))]
-        if not candidates:
-            raise ConfigError(f"tier {tier.name}: the selection matches none of its listed cells")
+        candidates = [Cell(*c, platform=platform) for c in tier.cells if all(v in values[a] for a, v in zip(CELL_AXES, c, strict=True))]
     elif tier.combination == "pairwise":
-        candidates = pairwise(values, matrix)
+        candidates = pairwise(values, matrix, platform)
     else:
         candidates = product
     excluded = {}
@@ -120,6 +147,7 @@ def plan_cells(matrix: Matrix, tier: Tier, wanted: Mapping[str, Sequence[str] | 
 
 
 def all_cells(matrix: Matrix) -> list[Cell]:
-    """Every cell some tier could run: the allowed product of the axes (``nox -l`` sessions)."""
-    product = (Cell(*combo) for combo in itertools.product(*(matrix.axes[a] for a in CELL_AXES)))
+    """Every cell some tier could run: the allowed product of the axes on every platform (``nox -l`` sessions)."""
+    axes = [matrix.axes[a] for a in CELL_AXES] + [matrix.platforms]
+    product = (Cell(*combo) for combo in itertools.product(*axes))
     return sorted((c for c in product if matrix.excluded_by(c.values()) is None), key=Cell.sort_key)

@@ -38,8 +38,8 @@ def uv_executable() -> str:
         return exe
 
 
-def pip_sources() -> list[str]:
-    """uv arguments for the package sources pip is configured with on this host."""
+def pip_config() -> dict[str, str]:
+    """find-links, index-url and extra-index-url as pip on this host sees them (config, then PIP_*)."""
     config: dict[str, str] = {}
     listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
     for line in listed.stdout.splitlines():
@@ -50,6 +50,12 @@ def pip_sources() -> list[str]:
         env_value = os.environ.get("PIP_" + key.upper().replace("-", "_"))
         if env_value:
             config[key] = env_value
+    return {key: config[key] for key in ("find-links", "index-url", "extra-index-url") if config.get(key)}
+
+
+def pip_sources() -> list[str]:
+    """uv arguments for the package sources pip is configured with on this host."""
+    config = pip_config()
     args: list[str] = []
     for link in config.get("find-links", "").split():
         args += ["--find-links", link]

@@ -54,3 +54,21 @@ class BuildError(CellError):
 
 class RunError(CellError):
     """The engine tests could not run to completion (crash, timeout, no tests)."""
+
+
+class HostError(FatalError):
+    """A host (docker engine, emulation, container image) the selection needs is not available."""
+
+    exit_code = 3
+
+
+class DockerUnavailable(HostError):
+    """No docker engine answers, and none could be installed or started."""
+
+
+class EmulationUnavailable(HostError):
+    """This kernel cannot run the platform's binaries (no binfmt_misc / qemu-user entry)."""
+
+
+class ImageBuildError(HostError):
+    """Building a base or suite image failed."""

@@ -4,13 +4,16 @@ The file holds the axes (every value the suite knows), compatibility rules (comb
 cannot work, each with the reason a reader needs) and named tiers (which values of each axis a
 tier runs and how they are combined). Cell axes are ``python``, ``torch`` and ``deepspeed``;
 ``dtype``, ``checkpointing`` and ``world_size`` are runtime axes, run inside every cell.
+``platform`` (``linux/amd64``, ``linux/arm64``) says where a cell runs: cells run on this
+machine's platform unless ``--platform`` asks for another; a tier may give other axis values
+for a platform (``[tiers.<name>.platforms."linux/arm64"]``), and rules may name a platform.
 """
 
 from __future__ import annotations
 
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -20,6 +23,8 @@ from dsmatrix.errors import ConfigError
 
 CELL_AXES = ("python", "torch", "deepspeed")
 RUNTIME_AXES = ("dtype", "checkpointing", "world_size")
+PLATFORM = "platform"
+PLATFORMS = ("linux/amd64", "linux/arm64")
 AXES = CELL_AXES + RUNTIME_AXES
 RUNTIME_VALUES = {"dtype": ("fp32", "bf16"), "checkpointing": ("off", "on"), "world_size": ("1", "2")}
 COMBINATIONS = ("product", "pairwise", "listed")
@@ -30,12 +35,16 @@ class Rule:
     """Cells whose every named axis matches its specifier are excluded, for ``reason``."""
 
     id: str
-    when: Mapping[str, SpecifierSet]
+    when: Mapping[str, SpecifierSet | frozenset[str]]  # platform: the platforms it names
     reason: str
 
     def matches(self, values: Mapping[str, str]) -> bool:
         """True when ``values`` (possibly partial) has every axis of the rule and matches it."""
-        return all(axis in values and spec.contains(values[axis], prereleases=True) for axis, spec in self.when.items())
+        return all(axis in values and _matches(spec, values[axis]) for axis, spec in self.when.items())
+
+
+def _matches(spec: SpecifierSet | frozenset[str], value: str) -> bool:
+    return value in spec if isinstance(spec, frozenset) else spec.contains(value, prereleases=True)
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,12 @@ class Tier:
     values: Mapping[str, tuple[str, ...]]
     combination: str = "product"
     cells: tuple[tuple[str, str, str], ...] = ()  # for combination = "listed"
+    platforms: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)  # per-platform values
+
+    def on(self, platform: str) -> Tier:
+        """This tier as it runs on ``platform`` (its per-platform values applied)."""
+        override = self.platforms.get(platform)
+        return replace(self, values={**self.values, **override}) if override else self
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,7 @@ class Matrix:
     axes: Mapping[str, tuple[str, ...]]
     tiers: Mapping[str, Tier]
     rules: tuple[Rule, ...] = ()
+    platforms: tuple[str, ...] = PLATFORMS[:1]
 
     def tier(self, name: str) -> Tier:
         if name not in self.tiers:
@@ -74,6 +90,10 @@ def _values(path: Path, where: str, raw: object) -> tuple[str, ...]:
 
 def check_value(axis: str, value: str, where: str) -> None:
     """Raise ConfigError unless ``value`` is well-formed for ``axis``."""
+    if axis == PLATFORM:
+        if value not in PLATFORMS:
+            raise ConfigError(f"{where}: {value!r} is not a platform ({', '.join(PLATFORMS)})")
+        return
     if axis in RUNTIME_VALUES:
         if value not in RUNTIME_VALUES[axis]:
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(RUNTIME_VALUES[axis])}")
@@ -96,10 +116,12 @@ def _rules(path: Path, raw: object) -> tuple[Rule, ...]:
         where = f"{path}: rules #{i + 1}"
         if not isinstance(entry, dict) or not {"id", "when", "reason"} <= set(entry):
             raise ConfigError(f"{where}: needs id, when and reason")
-        if not isinstance(entry["when"], dict) or not entry["when"] or set(entry["when"]) - set(CELL_AXES):
-            raise ConfigError(f"{where} ({entry['id']}): when must map cell axes ({', '.join(CELL_AXES)}) to version specifiers")
+        if not isinstance(entry["when"], dict) or not entry["when"] or set(entry["when"]) - {*CELL_AXES, PLATFORM}:
+            raise ConfigError(
+                f"{where} ({entry['id']}): when must map cell axes ({', '.join(CELL_AXES)}) to version specifiers, or platform to platforms"
+            )
         try:
-            when = {axis: SpecifierSet(spec) for axis, spec in entry["when"].items()}
+            when = {axis: _condition(axis, spec, where) for axis, spec in entry["when"].items()}
         except (InvalidSpecifier, TypeError):
             raise ConfigError(f"{where} ({entry['id']}): bad specifier in when = {entry['when']!r}") from None
         rules.append(Rule(str(entry["id"]), when, str(entry["reason"])))
@@ -109,22 +131,47 @@ def _rules(path: Path, raw: object) -> tuple[Rule, ...]:
     return tuple(rules)
 
 
+def _condition(axis: str, raw: object, where: str) -> SpecifierSet | frozenset[str]:
+    if axis != PLATFORM:
+        return SpecifierSet(raw)  # type: ignore[arg-type]
+    names = [raw] if isinstance(raw, str) else raw
+    if not isinstance(names, list) or not names:
+        raise ConfigError(f"{where}: when.platform must be a platform or a list of them")
+    for name in names:
+        check_value(PLATFORM, name, f"{where}: when.platform")
+    return frozenset(names)
+
+
+def _axis_values(
+    path: Path, where: str, raw: dict, axes: Mapping[str, tuple[str, ...]], default: Mapping[str, tuple[str, ...]]
+) -> dict[str, tuple[str, ...]]:
+    values = {}
+    for axis in AXES:
+        chosen = _values(path, f"{where}.{axis}", raw[axis]) if axis in raw else default[axis]
+        outside = [v for v in chosen if v not in axes[axis]]
+        if outside:
+            raise ConfigError(f"{path}: {where}.{axis}: {outside} not in axes.{axis}")
+        values[axis] = chosen
+    return values
+
+
 def _tier(path: Path, name: str, raw: object, axes: Mapping[str, tuple[str, ...]]) -> Tier:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: tiers.{name} must be a table")
-    extra = set(raw) - set(AXES) - {"description", "combination", "cells"}
+    extra = set(raw) - set(AXES) - {"description", "combination", "cells", "platforms"}
     if extra:
         raise ConfigError(f"{path}: tiers.{name}: unknown key(s) {sorted(extra)}")
     combination = raw.get("combination", "product")
     if combination not in COMBINATIONS:
         raise ConfigError(f"{path}: tiers.{name}.combination: {combination!r} is not one of {', '.join(COMBINATIONS)}")
-    values = {}
-    for axis in AXES:
-        chosen = _values(path, f"tiers.{name}.{axis}", raw[axis]) if axis in raw else axes[axis]
-        outside = [v for v in chosen if v not in axes[axis]]
-        if outside:
-            raise ConfigError(f"{path}: tiers.{name}.{axis}: {outside} not in axes.{axis}")
-        values[axis] = chosen
+    values = _axis_values(path, f"tiers.{name}", raw, axes, axes)
+    platforms = {}
+    for platform, override in raw.get("platforms", {}).items():
+        where = f"tiers.{name}.platforms.{platform}"
+        check_value(PLATFORM, platform, f"{path}: {where}")
+        if not isinstance(override, dict) or set(override) - set(AXES):
+            raise ConfigError(f"{path}: {where}: must be a table of axis values ({', '.join(AXES)})")
+        platforms[platform] = {a: v for a, v in _axis_values(path, where, override, axes, values).items() if a in override}
     cells: list[tuple[str, str, str]] = []
     if combination == "listed":
         listed = raw.get("cells")
@@ -139,7 +186,7 @@ def _tier(path: Path, name: str, raw: object, axes: Mapping[str, tuple[str, ...]
             cells.append((cell[0], cell[1], cell[2]))
     elif "cells" in raw:
         raise ConfigError(f"{path}: tiers.{name}: cells only goes with combination = 'listed'")
-    return Tier(name, str(raw.get("description", "")), values, combination, tuple(cells))
+    return Tier(name, str(raw.get("description", "")), values, combination, tuple(cells), platforms)
 
 
 def load_matrix(path: Path) -> Matrix:
@@ -156,9 +203,12 @@ def load_matrix(path: Path) -> Matrix:
     raw_axes = data.get("axes")
     if not isinstance(raw_axes, dict):
         raise ConfigError(f"{path}: missing [axes] table")
-    if set(raw_axes) != set(AXES):
-        raise ConfigError(f"{path}: [axes] must define exactly {', '.join(AXES)}; got {', '.join(raw_axes)}")
+    if set(raw_axes) - {PLATFORM} != set(AXES):
+        raise ConfigError(f"{path}: [axes] must define exactly {', '.join(AXES)} (and may define platform); got {', '.join(raw_axes)}")
     axes = {axis: _values(path, f"axes.{axis}", raw_axes[axis]) for axis in AXES}
+    platforms = _values(path, "axes.platform", raw_axes[PLATFORM]) if PLATFORM in raw_axes else PLATFORMS[:1]
+    for value in platforms:
+        check_value(PLATFORM, value, f"{path}: axes.platform")
     for axis, values in axes.items():
         for value in values:
             check_value(axis, value, f"{path}: axes.{axis}")
@@ -166,4 +216,4 @@ def load_matrix(path: Path) -> Matrix:
     if not isinstance(raw_tiers, dict) or "default" not in raw_tiers:
         raise ConfigError(f"{path}: missing [tiers.default] table")
     tiers = {name: _tier(path, name, raw, axes) for name, raw in raw_tiers.items()}
-    return Matrix(path, axes, tiers, _rules(path, data.get("rules")))
+    return Matrix(path, axes, tiers, _rules(path, data.get("rules")), platforms)
