@@ -1,29 +1,37 @@
-"""Command line: ``python -m dsmatrix matrix|report`` (what the nox sessions call).
+"""Command line: ``python -m dsmatrix matrix|images|report`` (what the nox sessions call).
 
 ``matrix`` checks all input first (matrix file, selection, interpreters, versions, patch
-applicability) so bad input fails in one line before anything is written; then runs cell after
-cell, recording each as soon as it is finished.
+applicability, and for cells on another platform the docker engine, emulation and image) so bad
+input fails in one line before anything is written; then runs cell after cell, recording each as
+soon as it is finished. Cells of this machine's platform run here; the others (or all, with
+``--in-image``) run inside their platform's image, which runs this same command.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from dsmatrix import __version__
-from dsmatrix.cells import Selection, plan_cells
+from dsmatrix.cells import Cell, Selection, plan_cells
 from dsmatrix.errors import ConfigError, FatalError
+from dsmatrix.hosts import native_platform
+from dsmatrix.images import IMAGES, build_image, docker_engine, ensure_emulation, ensure_host_tools, image_for, run_in_image
 from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, load_matrix
-from dsmatrix.patches import load_patch_set
-from dsmatrix.pipeline import cache_size, check_disk, engine_tests_digest, fingerprint, preflight, run_cell
+from dsmatrix.patches import PatchSet, load_patch_set
+from dsmatrix.pipeline import cache_size, check_disk, check_patch, engine_tests_digest, fingerprint, preflight, run_cell
 from dsmatrix.report import write_report
-from dsmatrix.results import find_finished, start_run
-from dsmatrix.verdict import exit_code
+from dsmatrix.results import Run, find_finished, import_cells, start_run
+from dsmatrix.verdict import ERROR, exit_code
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,7 +47,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     matrix = sub.add_parser("matrix", help="run the selected cells, stock vs patched")
     matrix.add_argument("--matrix", type=Path, default=REPO / "matrix" / "matrix.toml", help="matrix file")
     matrix.add_argument("--tier", default="default")
-    for axis in CELL_AXES + RUNTIME_AXES:
+    for axis in ("platform",) + CELL_AXES + RUNTIME_AXES:
         flag = f"--{axis.replace('_', '-')}"
         matrix.add_argument(flag, dest=axis, action="append", metavar="VALUE", help=f"select {axis} value(s) (repeat or comma-separate)")
     matrix.add_argument("--patch", type=Path, default=REPO / "patches" / "zero3-release-cache", help="manifest folder or a single diff")
@@ -48,6 +56,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     matrix.add_argument("--plan", action="store_true", help="print the selected cells (and excluded ones) and exit")
     matrix.add_argument("--json", action="store_true", help="with --plan: print the cells as JSON (for CI job matrices)")
     matrix.add_argument("--fresh", action="store_true", help="re-run cells that already have a result for the same fingerprint")
+    matrix.add_argument("--in-image", action="store_true", help="run this platform's cells in its image as well")
+    matrix.add_argument("--base-image", help="base image for building missing images (default: debootstrap one here)")
+    matrix.add_argument("--only", action="append", metavar="CELL_ID", help=argparse.SUPPRESS)  # what a host hands its image
+    images = sub.add_parser("images", help="build the container images (containers/*/Dockerfile)")
+    images.add_argument("--platform", action="append", metavar="PLATFORM", help=f"one of {', '.join(IMAGES)} (default: both)")
+    images.add_argument("--base-image", help="an official Debian image where a registry is reachable (default: debootstrap one here)")
+    images.add_argument("--cache-dir", type=Path, default=default_cache())
     report = sub.add_parser("report", help="render a results run as Markdown")
     report.add_argument("--results", type=Path, default=Path("results"))
     report.add_argument("--run", default="latest", help="run id (default: latest)")
@@ -55,12 +70,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _split(raw: list[str] | None) -> list[str] | None:
+    return [v.strip() for item in raw for v in item.split(",") if v.strip()] if raw else None
+
+
 def _wanted(args: argparse.Namespace) -> dict[str, list[str] | None]:
-    wanted: dict[str, list[str] | None] = {}
-    for axis in CELL_AXES + RUNTIME_AXES:
-        raw = getattr(args, axis)
-        wanted[axis] = [v.strip() for item in raw for v in item.split(",") if v.strip()] if raw else None
-    return wanted
+    return {axis: _split(getattr(args, axis)) for axis in CELL_AXES + RUNTIME_AXES}
+
+
+def _selection_argv(args: argparse.Namespace) -> list[str]:
+    """The matrix arguments a host hands on to its image (everything but where results and caches go)."""
+    argv = ["--tier", args.tier, "--patch", str(Path(args.patch).resolve().relative_to(REPO))]
+    for axis in RUNTIME_AXES:
+        for value in _wanted(args)[axis] or ():
+            argv += [f"--{axis.replace('_', '-')}", value]
+    return argv
 
 
 def print_plan(selection: Selection, as_json: bool) -> None:
@@ -75,10 +99,20 @@ def print_plan(selection: Selection, as_json: bool) -> None:
     print(f"{len(selection.cells)} cell(s), {len(selection.excluded)} excluded; runtime axes: {runtime}")
 
 
+def _host_of(cell: Cell, args: argparse.Namespace) -> str:
+    """Where a cell runs: ``local``, or ``image:<name>`` for its platform's container image."""
+    if cell.platform == native_platform() and not args.in_image:
+        return "local"
+    return f"image:{image_for(cell.platform).name}"
+
+
 def command_matrix(args: argparse.Namespace) -> int:
     args.results = args.results.resolve()
     matrix = load_matrix(args.matrix)
-    selection = plan_cells(matrix, matrix.tier(args.tier), _wanted(args))
+    platforms = _split(args.platform) or [native_platform()]
+    selection = plan_cells(matrix, matrix.tier(args.tier), _wanted(args), platforms)
+    if args.only:
+        selection = Selection(tuple(c for c in selection.cells if c.id in args.only), selection.runtime, selection.excluded)
     if args.plan:
         print_plan(selection, args.json)
         return 0
@@ -88,12 +122,51 @@ def command_matrix(args: argparse.Namespace) -> int:
     patch = load_patch_set(args.patch)
     runtime = {a: list(v) for a, v in selection.runtime.items()}
     suite = engine_tests_digest()
-    prints = {cell: fingerprint(cell, runtime, patch, suite) for cell in selection.cells}
+    hosts = {cell: _host_of(cell, args) for cell in selection.cells}
+    prints = {cell: fingerprint(cell, runtime, patch, suite, hosts[cell]) for cell in selection.cells}
     reusable = {} if args.fresh else {c: r for c in selection.cells if (r := find_finished(args.results, prints[c])) is not None}
     todo = [c for c in selection.cells if c not in reusable]
-    pending = Selection(tuple(todo), selection.runtime)
-    preflight(pending, patch, args.cache_dir)
-    need = check_disk(pending, args.cache_dir)
+    local = Selection(tuple(c for c in todo if hosts[c] == "local"), selection.runtime)
+    in_images = sorted({c.platform for c in todo if hosts[c] != "local"})
+    preflight(local, patch, args.cache_dir)
+    check_patch({c.deepspeed for c in todo}, patch, args.cache_dir)  # also for cells that run in an image
+    need = check_disk(local, args.cache_dir)
+    for platform in in_images:
+        cells = tuple(c for c in todo if c.platform == platform and hosts[c] != "local")
+        need += check_disk(Selection(cells, selection.runtime), args.cache_dir / "images" / image_for(platform).name / "dsmatrix")
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(_images_ready(in_images, args)) if in_images else None
+        return _run_matrix(args, selection, patch, runtime, hosts, prints, reusable, need, client)
+
+
+@contextlib.contextmanager
+def _images_ready(platforms: list[str], args: argparse.Namespace) -> Any:
+    """A docker client with an image ready for every platform in ``platforms`` (built if missing)."""
+    import docker
+
+    ensure_host_tools(emulation=any(p != native_platform() for p in platforms))
+    with docker_engine(args.cache_dir / "docker") as client:
+        for platform in platforms:
+            ensure_emulation(platform)
+            spec = image_for(platform)
+            try:
+                client.images.get(spec.tag)
+            except docker.errors.ImageNotFound:
+                build_image(client, spec, args.base_image, args.cache_dir / "images")
+        yield client
+
+
+def _run_matrix(
+    args: argparse.Namespace,
+    selection: Selection,
+    patch: PatchSet,
+    runtime: dict[str, list[str]],
+    hosts: dict[Cell, str],
+    prints: dict[Cell, str],
+    reusable: dict[Cell, dict[str, Any]],
+    need: float,
+    client: Any,
+) -> int:
     excluded = [
         {"cell": {**e.cell.as_dict(), "label": e.cell.label}, "rule": e.rule.id, "reason": e.rule.reason} for e in selection.excluded
     ]
@@ -112,15 +185,17 @@ def command_matrix(args: argparse.Namespace) -> int:
             if cell in reusable:
                 result = {**reusable[cell], "reused_from": reusable[cell].get("reused_from") or reusable[cell]["run_id"]}
                 print(f"{cell.label}: {result['verdict'].upper()}  (result of run {result['reused_from']}; --fresh re-runs it)")
-            else:
+            elif hosts[cell] == "local":
                 print(f"{cell.label}: running ...", flush=True)
                 result = run_cell(cell, selection, patch, args.cache_dir, run, prints[cell])
-                t = result["timings"]
-                print(f"{cell.label}: {result['verdict'].upper()}  (set-up {t['setup_s']} s, tests {t['tests_s']} s)")
-                for reason in result["reasons"]:
-                    print(f"    {reason}")
+                _print_result(cell, result)
+            else:
+                continue  # runs with the other cells of its image, below
             run.add_cell(result)
             verdicts.append(result["verdict"])
+        for platform in sorted({c.platform for c in selection.cells if hosts[c] != "local" and c not in reusable}):
+            cells = [c for c in selection.cells if c.platform == platform and hosts[c] != "local" and c not in reusable]
+            verdicts += _run_image_cells(args, client, platform, cells, prints, run)
     except KeyboardInterrupt:
         run.write_summary("interrupted")
         print(f"dsmatrix: interrupted; {len(verdicts)} finished cell(s) kept in {run.root}", file=sys.stderr)
@@ -128,6 +203,55 @@ def command_matrix(args: argparse.Namespace) -> int:
     run.write_summary("complete")
     print(f"dsmatrix: {sum(v == 'fixed' for v in verdicts)}/{len(verdicts)} cell(s) fixed; summary: {run.root / 'summary.json'}")
     return exit_code(verdicts)
+
+
+def _print_result(cell: Cell, result: dict[str, Any]) -> None:
+    t = result["timings"]
+    emulated = ", emulated" if t.get("emulated") else ""
+    print(f"{cell.label}: {result['verdict'].upper()}  (set-up {t['setup_s']} s, tests {t['tests_s']} s{emulated})")
+    for reason in result["reasons"]:
+        print(f"    {reason}")
+
+
+def _run_image_cells(
+    args: argparse.Namespace, client: Any, platform: str, cells: list[Cell], prints: dict[Cell, str], run: Run
+) -> list[str]:
+    """Run ``cells`` inside ``platform``'s image and import each finished one into ``run``.
+
+    A cell that does not come back (the container failed or was stopped) becomes an ``error``
+    cell naming the image and its last line; an interrupt keeps every cell that finished.
+    """
+    spec = image_for(platform)
+    image = client.images.get(spec.tag)
+    staging = args.cache_dir / "images" / spec.name / f"results-{run.id}"
+    argv = [*_selection_argv(args), "--platform", platform, "--fresh"] + [f"--only={c.id}" for c in cells]
+    print(f"dsmatrix: {len(cells)} cell(s) in {spec.tag} ({platform}) ...", flush=True)
+    started = time.monotonic()
+    by_id = {c.id: c for c in cells}
+    facts = {"image": {"tag": spec.tag, "id": image.id, "platform": platform}}
+    code, last = 130, "interrupted"
+    verdicts: list[str] = []
+
+    def finish(result: dict[str, Any]) -> dict[str, Any]:
+        cell = by_id.pop(result["cell"]["id"])
+        _print_result(cell, result)
+        verdicts.append(result["verdict"])  # below: the fingerprint as this host computes it, for reuse
+        return {**result, **facts, "fingerprint": prints[cell], "container_wall_s": round(time.monotonic() - started, 1)}
+
+    try:
+        code, last = run_in_image(client, spec, argv, staging, args.cache_dir)
+    finally:
+        import_cells(staging, run, finish)
+        shutil.rmtree(staging, ignore_errors=True)
+    for cell in by_id.values():  # never came back
+        reason = f"{spec.tag}: `nox -s matrix` inside exited {code} before this cell finished: {last}"
+        result = {"schema": 1, "fingerprint": prints[cell], "cell": {**cell.as_dict(), "label": cell.label}, **facts}
+        result.update(verdict=ERROR, reasons=[reason], error_kind="HostError", builds={}, timings={})
+        result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        run.add_cell(result)
+        _print_result(cell, result)
+        verdicts.append(ERROR)
+    return verdicts
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -141,10 +265,27 @@ def command_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_images(args: argparse.Namespace) -> int:
+    platforms = _split(args.platform) or list(IMAGES)
+    specs = [image_for(p) for p in platforms]
+    ensure_host_tools(emulation=any(p != native_platform() for p in platforms))
+    with docker_engine(args.cache_dir / "docker") as client:
+        built = []
+        for spec in specs:
+            ensure_emulation(spec.platform)
+            built.append(build_image(client, spec, args.base_image, args.cache_dir / "images"))
+    for facts in built:
+        print(f"{facts['tag']}: {facts['platform']} {facts['id'][:19]} (FROM {facts['base']})")
+    return 0
+
+
+COMMANDS = {"matrix": command_matrix, "images": command_images, "report": command_report}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        return command_matrix(args) if args.command == "matrix" else command_report(args)
+        return COMMANDS[args.command](args)
     except FatalError as exc:
         print(f"dsmatrix: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -20,6 +20,7 @@ from dsmatrix.builds import build_key, build_wheel, builder_dir, fetch_sdist, un
 from dsmatrix.cells import Cell, Selection
 from dsmatrix.environments import check_installable, ensure_environment, find_interpreter, uv_executable
 from dsmatrix.errors import DiskSpaceError, FatalError
+from dsmatrix.hosts import describe
 from dsmatrix.patches import PatchSet, apply_diff
 from dsmatrix.results import Run
 from dsmatrix.run import ENGINE_TESTS, outcome_dict, run_engine_tests
@@ -43,9 +44,9 @@ def engine_tests_digest() -> str:
     return sha.hexdigest()
 
 
-def fingerprint(cell: Cell, runtime: dict[str, list[str]], patch: PatchSet, suite: str) -> str:
-    """What makes a cell result reusable: versions, runtime axes, patch and test-suite hashes."""
-    data = {"cell": cell.values(), "runtime": runtime, "patch": patch.sha256, "suite": suite}
+def fingerprint(cell: Cell, runtime: dict[str, list[str]], patch: PatchSet, suite: str, host: str = "local") -> str:
+    """What makes a cell result reusable: versions, platform, host, runtime axes, patch and test-suite hashes."""
+    data = {"cell": cell.values(), "runtime": runtime, "patch": patch.sha256, "suite": suite, "host": host}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
@@ -57,8 +58,9 @@ def cache_size() -> str:
 
 def check_disk(selection: Selection, cache: Path) -> float:
     """Refuse a run that would not fit the free disk; returns the estimate in GiB."""
-    new_sets = {(c.python, c.torch) for c in selection.cells if not builder_dir(c.python, c.torch, cache).exists()}
-    need = sum(TORCH_SET_GIB["cpu" if "+cpu" in torch else "cuda"] for _, torch in new_sets)
+    new_sets = {(c.python, c.torch, c.platform) for c in selection.cells if not builder_dir(c.python, c.torch, cache).exists()}
+    cpu = {(p, t, plat) for p, t, plat in new_sets if "+cpu" in t or plat == "linux/arm64"}  # arm64: CUDA builds are ruled out
+    need = TORCH_SET_GIB["cpu"] * len(cpu) + TORCH_SET_GIB["cuda"] * len(new_sets - cpu)
     need += ENVIRONMENT_GIB * 2 * len(selection.cells)
     cache.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(cache).free / GIB
@@ -75,7 +77,12 @@ def preflight(selection: Selection, patch: PatchSet, cache: Path) -> None:
         find_interpreter(python)
     for python, torch in sorted({(c.python, c.torch) for c in selection.cells}):
         check_installable(f"torch=={torch}", python)
-    for deepspeed in sorted({c.deepspeed for c in selection.cells}):
+    check_patch({c.deepspeed for c in selection.cells}, patch, cache)
+
+
+def check_patch(deepspeed_versions: set[str], patch: PatchSet, cache: Path) -> None:
+    """Every DeepSpeed version has a diff, and it applies to that release's sdist (any platform)."""
+    for deepspeed in sorted(deepspeed_versions):
         diff = patch.diff_for(deepspeed)
         sdist = fetch_sdist(deepspeed, cache)
         with tempfile.TemporaryDirectory() as tmp:
@@ -91,6 +98,7 @@ def run_cell(cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run
         "cell": {**cell.as_dict(), "label": cell.label},
         "runtime": {axis: list(v) for axis, v in selection.runtime.items()},
         "patch": patch.describe(),
+        "host": describe(),
         "builds": {},
         "timings": {},
     }
@@ -131,6 +139,11 @@ def run_cell(cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run
         result.update(verdict=ERROR, reasons=[str(exc)], error_kind=type(exc).__name__)
     except Exception as exc:  # noqa: BLE001 - one cell's crash must not lose the others
         result.update(verdict=ERROR, reasons=[f"internal error: {type(exc).__name__}: {exc}"], error_kind="internal")
-    result["timings"] = {"setup_s": round(setup_s, 1), "tests_s": round(tests_s, 1), "total_s": round(time.monotonic() - started, 1)}
+    result["timings"] = {
+        "setup_s": round(setup_s, 1),
+        "tests_s": round(tests_s, 1),
+        "total_s": round(time.monotonic() - started, 1),
+        "emulated": result["host"]["emulated"],  # emulated timings never feed a throughput verdict
+    }
     result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return result

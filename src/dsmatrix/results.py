@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import secrets
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsmatrix.errors import ConfigError
+from dsmatrix.hosts import describe
 
 SCHEMA = 1
 
@@ -30,16 +32,30 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def host_description() -> dict[str, str]:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "Model")):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"machine": platform.machine(), "system": platform.platform(), "cpu": cpu, "emulated": "false"}
+def import_cells(staging: Path, run: Run, finish: Callable[[dict[str, Any]], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Add the finished cells of a run written elsewhere (a container) to ``run``, each through ``finish``.
+
+    Their JUnit files and logs are copied into this run first, so every path a cell names
+    resolves here; cells are added one by one, each atomically.
+    """
+    added = []
+    for path in sorted(staging.glob("*/cells/*.json")):
+        if path.parent.parent.name == "latest":
+            continue
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # never finished: not a result
+        source = path.parent.parent
+        for build in result.get("builds", {}).values():
+            for name in (*build.get("junit", []), *build.get("logs", [])):
+                if (source / name).is_file():
+                    (run.root / name).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(source / name, run.root / name)
+        result = finish(result)
+        run.add_cell(result)
+        added.append(result)
+    return added
 
 
 @dataclass
@@ -90,7 +106,7 @@ def start_run(results: Path, meta: dict[str, Any]) -> Run:
     run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(2)
     root = results / run_id
     root.mkdir(parents=True)
-    run = Run(root, {**meta, "host": host_description()})
+    run = Run(root, {**meta, "host": describe()})
     run.write_summary("running")
     latest = results / "latest"
     tmp = results / f".latest.{os.getpid()}"
