@@ -56,7 +56,13 @@ def fetch_sdist(deepspeed: str, cache: Path) -> Path:
 
 def unpack_sdist(sdist: Path, into: Path) -> Path:
     with tarfile.open(sdist) as tar:
-        tar.extractall(into, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(into, filter="data")
+        else:  # Python < 3.11.4 (Debian bookworm's 3.11.2, in the images): refuse unsafe members by hand
+            for member in tar.getmembers():
+                if member.name.startswith("/") or ".." in Path(member.name).parts or member.issym() or member.islnk():
+                    raise UnknownVersionError(f"{sdist.name}: unsafe member {member.name!r}")
+            tar.extractall(into)
     (tree,) = [p for p in into.iterdir() if p.is_dir()]
     return tree
 

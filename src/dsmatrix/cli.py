@@ -208,7 +208,8 @@ def _run_matrix(
 def _print_result(cell: Cell, result: dict[str, Any]) -> None:
     t = result["timings"]
     emulated = ", emulated" if t.get("emulated") else ""
-    print(f"{cell.label}: {result['verdict'].upper()}  (set-up {t['setup_s']} s, tests {t['tests_s']} s{emulated})")
+    timing = f"  (set-up {t['setup_s']} s, tests {t['tests_s']} s{emulated})" if t else ""
+    print(f"{cell.label}: {result['verdict'].upper()}{timing}")
     for reason in result["reasons"]:
         print(f"    {reason}")
 

@@ -57,9 +57,20 @@ def _cpuinfo() -> dict[str, str]:
 def _aarch64_features() -> list[str]:
     libc = ctypes.CDLL(None)
     libc.getauxval.restype = ctypes.c_ulong
-    hwcap, hwcap2 = libc.getauxval(AT_HWCAP), libc.getauxval(AT_HWCAP2)
+    return decode_hwcaps(libc.getauxval(AT_HWCAP), libc.getauxval(AT_HWCAP2))
+
+
+def decode_hwcaps(hwcap: int, hwcap2: int) -> list[str]:
+    """aarch64 feature names (as ``/proc/cpuinfo`` spells them) from the AT_HWCAP/AT_HWCAP2 bits."""
     names = [name for bit, name in enumerate(AARCH64_HWCAP) if hwcap >> bit & 1]
     return names + [name for bit, name in enumerate(AARCH64_HWCAP2) if hwcap2 >> bit & 1]
+
+
+def is_emulated(machine: str, cpuinfo: dict[str, str]) -> bool:
+    """qemu-user: the kernel's ``/proc/cpuinfo`` describes the host's CPU, not our own machine's."""
+    kernel_cpu_is_x86 = "vendor_id" in cpuinfo and "flags" in cpuinfo
+    kernel_cpu_is_arm = "CPU implementer" in cpuinfo
+    return machine == "aarch64" and kernel_cpu_is_x86 or machine == "x86_64" and kernel_cpu_is_arm
 
 
 def _os_image() -> str:
@@ -76,9 +87,7 @@ def describe() -> dict[str, object]:
     """What this process runs on, read from inside (JSON-ready)."""
     info = _cpuinfo()
     machine = platform.machine()
-    # qemu-user: the kernel's /proc/cpuinfo is the host's, which disagrees with our own machine
-    host_cpu_is_x86 = "flags" in info and "vendor_id" in info
-    emulated = machine == "aarch64" and host_cpu_is_x86 or machine == "x86_64" and "CPU implementer" in info
+    emulated = is_emulated(machine, info)
     if machine == "aarch64":
         features = _aarch64_features()
         qemu_cpu = os.environ.get("QEMU_CPU", "")

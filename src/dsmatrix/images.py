@@ -294,11 +294,12 @@ def build_image(client: Any, spec: ImageSpec, base: str | None, work: Path) -> d
 
 
 def _local_source_dirs(config: dict[str, str]) -> list[Path]:
-    """Folders on this machine that pip's sources point at (find-links paths, file:// indexes)."""
+    """Folders on this machine that pip's sources point at: find-links paths, and a file://
+    index's parent (its pages link to files beside the ``simple`` folder)."""
     dirs = []
     for value in " ".join(config.values()).split():
-        path = Path(value[len("file://") :] if value.startswith("file://") else value)
-        if path.is_absolute() and path.exists():
+        path = Path(value[len("file://") :]).parent if value.startswith("file://") else Path(value)
+        if path.is_absolute() and path.exists() and path != Path("/"):
             dirs.append(path)
     return dirs
 

@@ -74,6 +74,10 @@ def test_selection_narrows_and_replaces(tmp_path: Path) -> None:
         (GOOD.replace("[tiers.default]", "[tiers.nightly]"), "missing [tiers.default]"),
         (GOOD.replace('torch = ["2.13.0+cpu"]', "torch = []"), "axes.torch must be a non-empty list"),
         ("colour = 1\n" + GOOD, "unknown top-level key"),
+        (GOOD.replace("[axes]\n", '[axes]\nplatform = ["linux/riscv64"]\n'), "axes.platform: 'linux/riscv64' is not a platform"),
+        (GOOD + '[[rules]]\nid = "r"\nwhen = { platform = "arm64" }\nreason = "x"\n', "when.platform: 'arm64' is not a platform"),
+        (GOOD + '[tiers.default.platforms."linux/arm64"]\ntorch = ["2.9.1"]\n', "platforms.linux/arm64.torch: ['2.9.1'] not in axes.torch"),
+        (GOOD + '[tiers.default.platforms."linux/arm64"]\ncolour = ["red"]\n', "must be a table of axis values"),
     ],
 )
 def test_malformed_matrix_is_one_clear_line(tmp_path: Path, text: str, message: str) -> None:
@@ -165,3 +169,38 @@ def test_listed_tier_selection_filters(tmp_path: Path) -> None:
     matrix = load_matrix(write(tmp_path, WIDE))
     with pytest.raises(ConfigError, match="tier pr: the selection matches none of its listed cells"):
         plan_cells(matrix, matrix.tier("pr"), {"deepspeed": ["0.14.5"]})
+
+
+ARM = GOOD.replace("[axes]\n", '[axes]\nplatform = ["linux/amd64", "linux/arm64"]\n').replace(
+    'torch = ["2.13.0+cpu"]', 'torch = ["2.9.1", "2.13.0+cpu"]'
+).replace('python = ["3.11"]\n', 'python = ["3.11"]\ntorch = ["2.13.0+cpu"]\n') + """
+[tiers.default.platforms."linux/arm64"]
+torch = ["2.9.1"]
+
+[tiers.everything]
+
+[[rules]]
+id = "cpu-wheel-is-x86"
+when = { torch = "==2.13.0+cpu", platform = "linux/arm64" }
+reason = "local x86_64 wheel"
+"""
+
+
+def test_platform_tier_values_rules_and_ids(tmp_path: Path) -> None:
+    matrix = load_matrix(write(tmp_path, ARM))
+    default = plan_cells(matrix, matrix.tier("default"), {}, ["linux/amd64", "linux/arm64"])
+    assert default.cells == (Cell("3.11", "2.13.0+cpu", "0.19.8"), Cell("3.11", "2.9.1", "0.19.8", "linux/arm64"))
+    assert [c.id for c in default.cells] == ["py3.11-torch2.13.0+cpu-ds0.19.8", "py3.11-torch2.9.1-ds0.19.8-arm64"]
+    assert default.cells[1].label == "matrix(py3.11, torch2.9.1, ds0.19.8, arm64)"
+    everything = plan_cells(matrix, matrix.tier("everything"), {}, ["linux/arm64"])
+    assert {c.torch for c in everything.cells} == {"2.9.1"}
+    assert {(e.cell.torch, e.rule.id) for e in everything.excluded} == {("2.13.0+cpu", "cpu-wheel-is-x86")}
+    with pytest.raises(ConfigError, match="--platform: 'windows/amd64' is not a platform"):
+        plan_cells(matrix, matrix.tier("default"), {}, ["windows/amd64"])
+
+
+def test_bundled_arm64_cells_are_the_light_cpu_builds(repo: Path) -> None:
+    matrix = load_matrix(repo / "matrix" / "matrix.toml")
+    release = plan_cells(matrix, matrix.tier("release"), {}, ["linux/arm64"])
+    assert {(c.python, c.torch) for c in release.cells} == {("3.11", "2.4.1"), ("3.11", "2.9.1")}
+    assert {c.platform for c in release.cells} == {"linux/arm64"}

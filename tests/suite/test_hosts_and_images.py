@@ -1,0 +1,134 @@
+"""Hosts and images without a docker engine: what a cell records about its CPU, how the base
+image is labelled, and the one-line errors when docker or emulation is missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from dsmatrix.hosts import decode_hwcaps, describe, is_emulated, native_platform
+from dsmatrix.images import IMAGES, _image_tarball, _local_source_dirs, debian_mirror, ensure_emulation, image_for
+from dsmatrix.errors import ConfigError, EmulationUnavailable
+
+REPO = Path(__file__).resolve().parents[2]
+# AT_HWCAP / AT_HWCAP2 that qemu-user 7.2 reports for QEMU_CPU=cortex-a76 (read inside the rpi5 image)
+CORTEX_A76 = (0x1_0FFF, 0)
+
+
+def test_cortex_a76_features_have_no_bf16() -> None:
+    features = decode_hwcaps(*CORTEX_A76)
+    assert {"fp", "asimd", "aes", "crc32", "atomics", "asimdhp"} <= set(features)
+    assert "bf16" not in features and "sve" not in features
+
+
+def test_bf16_bit_is_decoded() -> None:
+    assert "bf16" in decode_hwcaps(0, 1 << 14) and "i8mm" in decode_hwcaps(0, 1 << 13)
+
+
+def test_emulation_is_read_from_a_cpuinfo_that_disagrees() -> None:
+    x86 = {"vendor_id": "AuthenticAMD", "flags": "fpu sse2 avx2"}
+    arm = {"CPU implementer": "0x41", "CPU part": "0xd0b", "Features": "fp asimd"}
+    assert is_emulated("aarch64", x86) and not is_emulated("aarch64", arm)
+    assert not is_emulated("x86_64", x86) and is_emulated("x86_64", arm)
+
+
+def test_describe_this_machine() -> None:
+    host = describe()
+    assert host["platform"] == native_platform() and host["emulated"] is False
+    assert isinstance(host["bf16"], bool) and host["cpu_features"] and host["kernel"]
+
+
+def test_image_for_each_platform() -> None:
+    assert image_for("linux/amd64").name == "x86_64" and image_for("linux/arm64").name == "rpi5"
+    assert dict(IMAGES["linux/arm64"].environment)["QEMU_CPU"] == "cortex-a76"
+    for spec in IMAGES.values():
+        assert (spec.dockerfile_dir / "Dockerfile").is_file()
+    with pytest.raises(ConfigError, match="linux/s390x"):
+        image_for("linux/s390x")
+
+
+def test_base_image_archive_names_its_architecture(tmp_path: Path) -> None:
+    """``docker import --platform linux/arm64`` labels amd64; the suite's own archive says arm64."""
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "etc").mkdir(parents=True)
+    (rootfs / "etc" / "os-release").write_text('PRETTY_NAME="test"\n')
+    archive = _image_tarball(rootfs, IMAGES["linux/arm64"], tmp_path)
+    with tarfile.open(archive) as tar:
+        manifest = json.load(tar.extractfile("manifest.json"))
+        config = json.load(tar.extractfile(manifest[0]["Config"]))
+        assert manifest[0]["RepoTags"] == ["dsmatrix/base:bookworm-arm64"]
+        assert (config["architecture"], config["os"]) == ("arm64", "linux")
+        assert config["rootfs"]["diff_ids"][0].startswith("sha256:")
+
+
+def test_pip_sources_are_mounted_by_folder(tmp_path: Path) -> None:
+    (tmp_path / "index" / "simple").mkdir(parents=True)
+    (tmp_path / "wheels").mkdir()
+    config = {"find-links": str(tmp_path / "wheels"), "extra-index-url": f"file://{tmp_path}/index/simple https://example.invalid/simple"}
+    assert sorted(_local_source_dirs(config)) == [tmp_path / "index", tmp_path / "wheels"]
+
+
+def test_debian_mirror_comes_from_apt_sources() -> None:
+    if not Path("/etc/apt").is_dir():
+        pytest.skip("not a Debian machine")
+    assert "://" in debian_mirror()
+
+
+def test_unknown_emulation_is_one_line() -> None:
+    with pytest.raises(EmulationUnavailable, match="linux/s390x"):
+        ensure_emulation("linux/s390x")
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dsmatrix", *args], capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})}, timeout=120
+    )
+
+
+def _fake_tools(tmp_path: Path, dockerd: str | None) -> dict[str, str]:
+    """A PATH with stand-ins for the host tools (so nothing is installed) and this dockerd script."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tools = {"debootstrap": "exit 0", "update-binfmts": "exit 0", "qemu-aarch64-static": "exit 0", "dockerd": dockerd}
+    for tool, body in tools.items():
+        if body is not None:
+            (bin_dir / tool).write_text(f"#!/bin/sh\n{body}\n")
+            (bin_dir / tool).chmod(0o755)
+    return {"DOCKER_HOST": f"unix://{tmp_path}/no-docker.sock", "PATH": f"{bin_dir}:/bin"}
+
+
+def test_docker_not_installable_is_one_line(tmp_path: Path) -> None:
+    """No engine answers, dockerd is missing and cannot be installed (no apt-get): one line, exit 3."""
+    env = _fake_tools(tmp_path, dockerd=None)
+    env["PATH"] = str(tmp_path / "bin")  # no apt-get either
+    proc = _cli("images", "--platform", "linux/amd64", "--cache-dir", str(tmp_path / "cache"), env=env)
+    assert proc.returncode == 3, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "docker.io" in lines[0], proc.stderr
+
+
+def test_daemon_that_fails_to_start_is_one_line(tmp_path: Path) -> None:
+    """dockerd exits at once: its last log line is reported, exit 3, and no daemon is left behind."""
+    env = _fake_tools(tmp_path, dockerd='echo "failed to start daemon: no overlay2 here" >&2; exit 1')
+    proc = _cli("images", "--platform", "linux/amd64", "--cache-dir", str(tmp_path / "cache"), env=env)
+    assert proc.returncode == 3, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "dockerd exited with code 1: failed to start daemon: no overlay2 here" in lines[0], proc.stderr
+
+
+def test_unknown_platform_in_matrix_is_one_line() -> None:
+    proc = _cli("matrix", "--platform", "linux/s390x", "--plan")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "linux/s390x" in proc.stderr
+
+
+def test_arm64_plan_uses_the_tier_values_for_arm64() -> None:
+    proc = _cli("matrix", "--platform", "linux/arm64", "--plan", "--json")
+    cells = json.loads(proc.stdout)["cells"]
+    assert [(c["torch"], c["platform"]) for c in cells] == [("2.9.1", "linux/arm64")] * 2
+    assert cells[0]["id"].endswith("-arm64")
