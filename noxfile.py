@@ -1,4 +1,4 @@
-"""Entry points: ``nox -s matrix``, ``nox -s tests``, ``nox -s report``, ``nox -s lint``, and one
+"""Entry points: ``nox -s matrix``, ``nox -s tests``, ``nox -s report``, ``nox -s lint``, ``nox -s images``, and one
 session per matrix cell, e.g. ``nox -s "matrix(py3.12, torch2.9.1, ds0.19.8)"`` (``nox -l``).
 
 Thin by design: each session installs the package and calls ``python -m dsmatrix``.
@@ -40,6 +40,13 @@ def _cell_session(cell: Cell) -> None:
 
 for _cell in all_cells(MATRIX):
     _cell_session(_cell)
+
+
+@nox.session(python=DRIVER_PYTHON, default=False)
+def images(session: nox.Session) -> None:
+    """Build the container images: x86_64 and rpi5 (-- --platform linux/arm64 for one, --base-image IMAGE)."""
+    session.install("-e", ".")
+    session.run("python", "-m", "dsmatrix", "images", *session.posargs)
 
 
 @nox.session(python=DRIVER_PYTHON)

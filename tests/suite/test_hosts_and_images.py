@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from dsmatrix.errors import ConfigError, EmulationUnavailable
 from dsmatrix.hosts import decode_hwcaps, describe, is_emulated, native_platform
 from dsmatrix.images import IMAGES, _image_tarball, _local_source_dirs, debian_mirror, ensure_emulation, image_for
-from dsmatrix.errors import ConfigError, EmulationUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
 # AT_HWCAP / AT_HWCAP2 that qemu-user 7.2 reports for QEMU_CPU=cortex-a76 (read inside the rpi5 image)

@@ -171,9 +171,11 @@ def test_listed_tier_selection_filters(tmp_path: Path) -> None:
         plan_cells(matrix, matrix.tier("pr"), {"deepspeed": ["0.14.5"]})
 
 
-ARM = GOOD.replace("[axes]\n", '[axes]\nplatform = ["linux/amd64", "linux/arm64"]\n').replace(
-    'torch = ["2.13.0+cpu"]', 'torch = ["2.9.1", "2.13.0+cpu"]'
-).replace('python = ["3.11"]\n', 'python = ["3.11"]\ntorch = ["2.13.0+cpu"]\n') + """
+ARM = (
+    GOOD.replace("[axes]\n", '[axes]\nplatform = ["linux/amd64", "linux/arm64"]\n')
+    .replace('torch = ["2.13.0+cpu"]', 'torch = ["2.9.1", "2.13.0+cpu"]')
+    .replace('python = ["3.11"]\n', 'python = ["3.11"]\ntorch = ["2.13.0+cpu"]\n')
+    + """
 [tiers.default.platforms."linux/arm64"]
 torch = ["2.9.1"]
 
@@ -184,6 +186,7 @@ id = "cpu-wheel-is-x86"
 when = { torch = "==2.13.0+cpu", platform = "linux/arm64" }
 reason = "local x86_64 wheel"
 """
+)
 
 
 def test_platform_tier_values_rules_and_ids(tmp_path: Path) -> None:
