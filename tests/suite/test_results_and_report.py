@@ -7,7 +7,7 @@ import pytest
 
 from dsmatrix.errors import ConfigError
 from dsmatrix.report import render_markdown, write_report
-from dsmatrix.results import load_run, start_run
+from dsmatrix.results import import_cells, load_run, start_run
 
 PATCH = {"source": "/x/patches/zero3-release-cache", "sha256": "ab" * 32, "diffs": [{"versions": ">=0.19.3", "file": "d.diff"}]}
 
@@ -83,7 +83,7 @@ def test_report_shows_every_verdict_and_test_grid() -> None:
         "tier": "default",
         "patch": PATCH,
         "runtime": {"dtype": ["fp32"]},
-        "host": {"machine": "x86_64", "cpu": "cpu", "system": "linux"},
+        "host": {"platform": "linux/amd64", "cpu_model": "cpu", "os_image": "Debian GNU/Linux 12 (bookworm)"},
         "excluded": [{"cell": {"label": "matrix(py3.13, torch2.4.1, ds0.19.8)"}, "rule": "no-cp313", "reason": "no wheels"}],
     }
     text = render_markdown(summary, [FIXED, NOT_FIXED, ERRORED])
@@ -101,3 +101,36 @@ def test_report_shows_every_verdict_and_test_grid() -> None:
 def test_report_on_missing_results_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no summary.json"):
         write_report(tmp_path / "latest", tmp_path / "reports")
+
+
+EMULATED = {
+    **cell("0.19.8", "fixed", ["stock fails all"]),
+    "cell": {
+        "id": "py3.11-torch2.9.1-ds0.19.8-arm64",
+        "label": "matrix(py3.11, torch2.9.1, ds0.19.8, arm64)",
+        **{"python": "3.11", "torch": "2.9.1", "deepspeed": "0.19.8", "platform": "linux/arm64"},
+    },
+    "host": {"platform": "linux/arm64", "cpu_model": "cortex-a76 (qemu-user CPU model)", "cpu_count": 2, "bf16": False, "emulated": True},
+    "timings": {"setup_s": 500.0, "tests_s": 900.0, "total_s": 1400.0, "emulated": True},
+    "builds": {"stock": {"junit": ["raw/a-stock.xml"], "logs": ["raw/a-stock.log"]}},
+}
+
+
+def test_cells_from_an_image_are_imported_with_their_files(tmp_path: Path) -> None:
+    """A container's finished cells land in the host's run with their JUnit/log files; unfinished ones do not."""
+    staging = start_run(tmp_path / "staging", {"tier": "default", "patch": PATCH, "runtime": {}})
+    for name in ("raw/a-stock.xml", "raw/a-stock.log"):
+        (staging.root / name).parent.mkdir(parents=True, exist_ok=True)
+        (staging.root / name).write_text(name)
+    staging.add_cell(EMULATED)
+    (staging.root / "cells" / ".half.json.123.tmp").write_text("{")  # a write the container never finished
+    run = start_run(tmp_path / "results", {"tier": "default", "patch": PATCH, "runtime": {}})
+    added = import_cells(tmp_path / "staging", run, lambda r: {**r, "image": {"tag": "dsmatrix/rpi5:latest"}})
+    assert [c["cell"]["id"] for c in added] == ["py3.11-torch2.9.1-ds0.19.8-arm64"]
+    assert (run.root / "raw" / "a-stock.xml").read_text() == "raw/a-stock.xml"
+    summary, cells = load_run(run.root)
+    assert cells[0]["image"]["tag"] == "dsmatrix/rpi5:latest" and cells[0]["run_id"] == run.id
+    text = render_markdown({**summary, "host": {}}, cells)
+    assert "500.0 (emulated)" in text
+    row = "| matrix(py3.11, torch2.9.1, ds0.19.8, arm64) | dsmatrix/rpi5:latest | cortex-a76 (qemu-user CPU model), 2 CPU(s) | no | yes"
+    assert row in text
