@@ -52,9 +52,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_environment(extensions_dir: Path, port: int, rank: int, world_size: int) -> dict[str, str]:
+def test_environment(python: Path, extensions_dir: Path, port: int, rank: int, world_size: int) -> dict[str, str]:
+    """The environment of one rank, as if its venv were activated: the venv's ``bin`` first on
+    PATH (torch JIT-builds DeepSpeed's comm op with the ``ninja`` that DeepSpeed installs there)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VIRTUAL_ENV"))}
     env.update(
+        PATH=os.pathsep.join([str(python.parent), env.get("PATH", os.defpath)]),
+        VIRTUAL_ENV=str(python.parent.parent),
         DS_ACCELERATOR="cpu",
         LOCAL_SIZE=str(world_size),
         TORCH_EXTENSIONS_DIR=str(extensions_dir),
@@ -113,7 +117,7 @@ def _run_ranks(
             f"--dtype={','.join(runtime['dtype'])}", f"--checkpointing={','.join(runtime['checkpointing'])}",
         ]  # fmt: skip
         with log.open("w") as out:
-            env = test_environment(extensions_dir, port, rank, world_size)
+            env = test_environment(python, extensions_dir, port, rank, world_size)
             procs.append((subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ENGINE_TESTS), junit, log))
     deadline = time.monotonic() + timeout_s
     try:
