@@ -25,7 +25,16 @@ from dsmatrix import __version__
 from dsmatrix.cells import Cell, Selection, plan_cells
 from dsmatrix.errors import ConfigError, FatalError
 from dsmatrix.hosts import native_platform
-from dsmatrix.images import IMAGES, build_image, docker_engine, ensure_emulation, ensure_host_tools, image_for, run_in_image
+from dsmatrix.images import (
+    IMAGES,
+    build_image,
+    docker_engine,
+    ensure_emulation,
+    ensure_host_tools,
+    image_for,
+    inside_view,
+    run_in_image,
+)
 from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, load_matrix
 from dsmatrix.patches import PatchSet, load_patch_set
 from dsmatrix.pipeline import cache_size, check_disk, check_patch, engine_tests_digest, fingerprint, preflight, run_cell
@@ -274,9 +283,15 @@ def command_images(args: argparse.Namespace) -> int:
         built = []
         for spec in specs:
             ensure_emulation(spec.platform)
-            built.append(build_image(client, spec, args.base_image, args.cache_dir / "images"))
-    for facts in built:
+            facts = build_image(client, spec, args.base_image, args.cache_dir / "images")
+            built.append((facts, inside_view(client, spec)))
+    for facts, inside in built:
         print(f"{facts['tag']}: {facts['platform']} {facts['id'][:19]} (FROM {facts['base']})")
+        emulated = f"emulated ({inside['emulator']})" if inside["emulated"] else "native"
+        bf16 = "BF16" if inside["bf16"] else "no BF16"
+        os_image = f"Python {inside['python']}, {inside['os_image']}"
+        print(f"    inside: {inside['machine']}, {inside['cpu_model']}, {bf16}, {emulated}; {os_image}")
+        print(f"    CPU features: {' '.join(inside['cpu_features'][:40])}")
     return 0
 
 

@@ -354,3 +354,17 @@ def run_in_image(client: Any, spec: ImageSpec, argv: list[str], staging: Path, c
         with contextlib.suppress(Exception):
             container.remove(force=True)
     return code, last
+
+
+def inside_view(client: Any, spec: ImageSpec) -> dict[str, Any]:
+    """What a cell in ``spec``'s image will see: ``hosts.describe()`` run inside it (stdlib only)."""
+    code = "import json, sys; sys.path.insert(0, '/src/src'); from dsmatrix.hosts import describe; print(json.dumps(describe()))"
+    output = client.containers.run(
+        spec.tag,
+        ["python3", "-c", code],
+        remove=True,
+        network_mode="none",
+        environment=dict(spec.environment),
+        volumes={str(REPO): {"bind": "/src", "mode": "ro"}},
+    )
+    return json.loads(output.decode().strip().splitlines()[-1])
