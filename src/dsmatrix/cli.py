@@ -251,7 +251,7 @@ def _run_image_cells(
     try:
         code, last = run_in_image(client, spec, argv, staging, args.cache_dir)
     finally:
-        import_cells(staging, run, finish)
+        import_cells(staging, run, finish, seen_as=Path("/results"))
         shutil.rmtree(staging, ignore_errors=True)
     for cell in by_id.values():  # never came back
         reason = f"{spec.tag}: `nox -s matrix` inside exited {code} before this cell finished: {last}"

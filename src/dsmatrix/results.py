@@ -32,29 +32,30 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def import_cells(staging: Path, run: Run, finish: Callable[[dict[str, Any]], dict[str, Any]]) -> list[dict[str, Any]]:
-    """Add the finished cells of a run written elsewhere (a container) to ``run``, each through ``finish``.
+def import_cells(
+    staging: Path, run: Run, finish: Callable[[dict[str, Any]], dict[str, Any]], seen_as: Path | None = None
+) -> list[dict[str, Any]]:
+    """Add the finished cells of runs written elsewhere (a container) to ``run``, each through ``finish``.
 
-    Their JUnit files and logs are copied into this run first, so every path a cell names
-    resolves here; cells are added one by one, each atomically.
+    Every JUnit file and log those runs wrote is copied into this run first (an errored cell's
+    log included), so every path a cell names resolves here; paths in reasons that the writer
+    saw under ``seen_as`` are rewritten to this run. Cells are added one by one, atomically.
     """
     added = []
-    for path in sorted(staging.glob("*/cells/*.json")):
-        if path.parent.parent.name == "latest":
-            continue
-        try:
-            result = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue  # never finished: not a result
-        source = path.parent.parent
-        for build in result.get("builds", {}).values():
-            for name in (*build.get("junit", []), *build.get("logs", [])):
-                if (source / name).is_file():
-                    (run.root / name).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(source / name, run.root / name)
-        result = finish(result)
-        run.add_cell(result)
-        added.append(result)
+    for source in sorted(p for p in staging.iterdir() if p.is_dir() and not p.is_symlink()) if staging.is_dir() else []:
+        if (source / "raw").is_dir():
+            shutil.copytree(source / "raw", run.root / "raw", dirs_exist_ok=True)
+        for path in sorted((source / "cells").glob("*.json")):
+            try:
+                result = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue  # never finished: not a result
+            if seen_as is not None:
+                inside = f"{seen_as / source.name}/"
+                result["reasons"] = [r.replace(inside, f"{run.root}/") for r in result.get("reasons", [])]
+            result = finish(result)
+            run.add_cell(result)
+            added.append(result)
     return added
 
 

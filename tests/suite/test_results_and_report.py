@@ -124,10 +124,12 @@ def test_cells_from_an_image_are_imported_with_their_files(tmp_path: Path) -> No
         (staging.root / name).write_text(name)
     staging.add_cell(EMULATED)
     (staging.root / "cells" / ".half.json.123.tmp").write_text("{")  # a write the container never finished
+    (staging.root / "raw" / "b-patched.log").write_text("Segmentation fault")  # an errored cell's log, listed nowhere
     run = start_run(tmp_path / "results", {"tier": "default", "patch": PATCH, "runtime": {}})
     added = import_cells(tmp_path / "staging", run, lambda r: {**r, "image": {"tag": "dsmatrix/rpi5:latest"}})
     assert [c["cell"]["id"] for c in added] == ["py3.11-torch2.9.1-ds0.19.8-arm64"]
     assert (run.root / "raw" / "a-stock.xml").read_text() == "raw/a-stock.xml"
+    assert (run.root / "raw" / "b-patched.log").read_text() == "Segmentation fault"
     summary, cells = load_run(run.root)
     assert cells[0]["image"]["tag"] == "dsmatrix/rpi5:latest" and cells[0]["run_id"] == run.id
     text = render_markdown({**summary, "host": {}}, cells)
