@@ -42,9 +42,10 @@ class FlowNet(torch.nn.Module):
     under non-reentrant activation checkpointing, so backward recomputes its forward.
     """
 
-    def __init__(self, checkpointed: bool, frozen: Sequence[int] = ()) -> None:
+    def __init__(self, checkpointed: bool, frozen: Sequence[int] = (), width: int = WIDTH) -> None:
         super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
+        self.width = width
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(LAYERS))
         self.checkpointed = checkpointed
         self.flow: list[int] = [0, 1, 2, 3]
         for index in frozen:
@@ -68,7 +69,7 @@ class FlowNet(torch.nn.Module):
         return x.float().pow(2).mean()
 
 
-def engine_config(dtype: str) -> dict[str, Any]:
+def engine_config(dtype: str, reuse_distance: int = REUSE_DISTANCE) -> dict[str, Any]:
     """ZeRO-3 settings under which release decisions are visible.
 
     The defaults hide them: the persistence threshold keeps small parameters resident forever
@@ -82,33 +83,33 @@ def engine_config(dtype: str) -> dict[str, Any]:
         "zero_optimization": {
             "stage": 3,
             "stage3_param_persistence_threshold": 0,
-            "stage3_max_reuse_distance": REUSE_DISTANCE,
+            "stage3_max_reuse_distance": reuse_distance,
             "stage3_prefetch_bucket_size": 0,
         },
     }
 
 
-def build_engine(model: torch.nn.Module, dtype: str) -> Any:
+def build_engine(model: torch.nn.Module, dtype: str, reuse_distance: int = REUSE_DISTANCE) -> Any:
     """A real DeepSpeed ZeRO-3 engine around ``model`` (plain SGD: no compiled optimizer)."""
     torch.manual_seed(0)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=1e-3)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config(dtype))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config(dtype, reuse_distance))
     return engine
 
 
-def new_model(checkpointing: str, frozen: Sequence[int] = ()) -> FlowNet:
+def new_model(checkpointing: str, frozen: Sequence[int] = (), width: int = WIDTH) -> FlowNet:
     torch.manual_seed(0)
-    return FlowNet(checkpointed=checkpointing == "on", frozen=frozen)
+    return FlowNet(checkpointed=checkpointing == "on", frozen=frozen, width=width)
 
 
-def batch(dtype: str) -> torch.Tensor:
-    return torch.randn(2, WIDTH).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+def batch(dtype: str, width: int = WIDTH) -> torch.Tensor:
+    return torch.randn(2, width).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
 
 
 def train_step(engine: Any, dtype: str) -> float:
     """One forward/backward/step; returns the loss as a float so no graph outlives the step."""
-    loss = engine(batch(dtype))
+    loss = engine(batch(dtype, engine.module.width))
     engine.backward(loss)
     engine.step()
     return float(loss.detach())

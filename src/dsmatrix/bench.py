@@ -1,0 +1,176 @@
+"""Benchmarks: step time stock vs patched with a stated decision rule, and the leak benchmark.
+
+Stock and patched live in different environments, so they are measured in alternating
+processes. Each round runs three: stock, patched, stock again. Every process runs
+``tests/bench/bench_step.py`` under pytest-benchmark and saves its JSON; one process gives one
+median per benchmark. Per benchmark, the rounds give paired medians (stock, patched) and an A/A
+pair (stock, stock again) measured the same way.
+
+**Decision rule.** The statistic is the ratio of medians over rounds, patched / stock, with a
+95% paired bootstrap confidence interval (``scipy.stats.bootstrap``, rounds resampled together).
+``no-regression`` when the interval's upper bound is <= 1 + margin (default 2%),
+``regression`` when its lower bound is > 1 + margin, otherwise ``inconclusive``, with an
+estimate of the rounds that would decide it (the half-width shrinks as 1/sqrt(rounds)). The A/A
+calibration must come out ``no-regression``; its interval width is the smallest difference this
+machine resolves with that many rounds. Timings taken under emulation are never judged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dsmatrix.errors import RunError
+from dsmatrix.run import free_port, test_environment
+
+BENCH = Path(__file__).resolve().parents[2] / "tests" / "bench"
+NO_REGRESSION, REGRESSION, INCONCLUSIVE, NOT_MEASURED = "no-regression", "regression", "inconclusive", "not-measured"
+DEFAULT_MARGIN = 0.02
+DEFAULT_ROUNDS = 6
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One benchmark's patched/stock (or A/A) ratio, its interval and the rule's verdict."""
+
+    benchmark: str
+    rounds: int
+    ratio: float
+    low: float
+    high: float
+    margin: float
+    verdict: str
+    rounds_to_decide: int | None = None
+
+    @property
+    def width(self) -> float:
+        return self.high - self.low
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "width": self.width}
+
+
+def ratio_interval(stock: Sequence[float], patched: Sequence[float], seed: int = 0) -> tuple[float, float, float]:
+    """Ratio of medians (patched / stock) and its paired bootstrap interval."""
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    s, p = np.asarray(stock, dtype=float), np.asarray(patched, dtype=float)
+    ratio = float(np.median(p) / np.median(s))
+    if len(s) < 3:
+        return ratio, -math.inf, math.inf
+
+    def statistic(a: Any, b: Any, axis: int = -1) -> Any:
+        return np.median(b, axis=axis) / np.median(a, axis=axis)
+
+    result = bootstrap(
+        (s, p),
+        statistic,
+        paired=True,
+        vectorized=True,
+        confidence_level=CONFIDENCE,
+        n_resamples=9999,
+        method="percentile",
+        random_state=np.random.default_rng(seed),
+    )
+    return ratio, float(result.confidence_interval.low), float(result.confidence_interval.high)
+
+
+def decide(ratio: float, low: float, high: float, margin: float, rounds: int) -> tuple[str, int | None]:
+    """The decision rule; for ``inconclusive``, roughly how many rounds in all would decide it."""
+    limit = 1 + margin
+    if high <= limit:
+        return NO_REGRESSION, None
+    if low > limit:
+        return REGRESSION, None
+    half = (high - low) / 2
+    distance = abs(limit - ratio)
+    if not math.isfinite(half) or distance == 0:
+        return INCONCLUSIVE, None
+    return INCONCLUSIVE, max(rounds + 1, math.ceil(rounds * (half / distance) ** 2))
+
+
+def compare(name: str, stock: Sequence[float], patched: Sequence[float], margin: float = DEFAULT_MARGIN) -> Comparison:
+    ratio, low, high = ratio_interval(stock, patched)
+    verdict, more = decide(ratio, low, high, margin, len(stock))
+    return Comparison(name, len(stock), ratio, low, high, margin, verdict, more)
+
+
+def throughput_verdict(comparisons: Sequence[Comparison]) -> str:
+    """A cell's throughput verdict: the worst over its benchmarks."""
+    verdicts = {c.verdict for c in comparisons}
+    for verdict in (REGRESSION, INCONCLUSIVE):
+        if verdict in verdicts:
+            return verdict
+    return NO_REGRESSION if verdicts else NOT_MEASURED
+
+
+def read_medians(path: Path) -> dict[str, float]:
+    """Benchmark name -> median seconds, from one pytest-benchmark JSON file."""
+    data = json.loads(path.read_text())
+    return {b["name"]: float(b["stats"]["median"]) for b in data.get("benchmarks", [])}
+
+
+def _bench_process(
+    python: Path, extensions_dir: Path, runtime: Mapping[str, Sequence[str]], out: Path, timeout_s: float
+) -> dict[str, float]:
+    command = [
+        str(python), "-m", "pytest", str(BENCH / "bench_step.py"), "-p", "no:cacheprovider", "-q",
+        f"--benchmark-json={out}", "--benchmark-disable-gc", "--benchmark-min-rounds=15",
+        f"--dtype={','.join(runtime['dtype'])}", f"--checkpointing={','.join(runtime['checkpointing'])}",
+    ]  # fmt: skip
+    env = test_environment(python, extensions_dir, free_port(), 0, 1)
+    log = out.with_suffix(".log")
+    with log.open("w") as handle:
+        proc = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=BENCH, timeout=timeout_s)
+    if proc.returncode != 0 or not out.is_file():
+        raise RunError(f"benchmark process exited {proc.returncode} (log: {log})")
+    return read_medians(out)
+
+
+def run_rounds(
+    pythons: Mapping[str, Path],
+    extensions: Mapping[str, Path],
+    runtime: Mapping[str, Sequence[str]],
+    out_dir: Path,
+    name: str,
+    rounds: int = DEFAULT_ROUNDS,
+    margin: float = DEFAULT_MARGIN,
+    timeout_s: float = 1800,
+) -> dict[str, Any]:
+    """Alternate stock, patched, stock-again processes for ``rounds`` rounds; compare per benchmark."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    order = (("stock", "stock"), ("patched", "patched"), ("stock-again", "stock"))
+    medians: dict[str, list[dict[str, float]]] = {label: [] for label, _ in order}
+    started = time.monotonic()
+    for index in range(rounds):
+        for label, build in order:
+            out = out_dir / f"{name}-bench-r{index + 1}-{label}.json"
+            medians[label].append(_bench_process(pythons[build], extensions[build], runtime, out, timeout_s))
+    names = sorted(set.intersection(*(set(m) for label in medians for m in medians[label])))
+
+    def series(label: str, bench: str) -> list[float]:
+        return [m[bench] for m in medians[label]]
+
+    fix = [compare(b, series("stock", b), series("patched", b), margin) for b in names]
+    calibration = [compare(b, series("stock", b), series("stock-again", b), margin) for b in names]
+    return {
+        "rounds": rounds,
+        "margin": margin,
+        "rule": f"ratio of medians patched/stock, {CONFIDENCE:.0%} paired bootstrap interval: "
+        f"no-regression if upper <= {1 + margin:g}, regression if lower > {1 + margin:g}, else inconclusive",
+        "comparisons": [c.as_dict() for c in fix],
+        "calibration": [c.as_dict() for c in calibration],
+        "verdict": throughput_verdict(fix),
+        "calibration_verdict": throughput_verdict(calibration),
+        "medians_s": {label: medians[label] for label in medians},
+        "files": sorted(str(p.name) for p in out_dir.glob(f"{name}-bench-r*.json")),
+        "duration_s": round(time.monotonic() - started, 1),
+    }

@@ -1,0 +1,55 @@
+"""Step time, stock vs patched: one ZeRO-3 training step, and the coordinator's release path alone.
+
+The model is the seed's: 4 x Linear(1024, 1024). With a persistence threshold of 0 and a reuse
+distance of 0 every parameter is released after use and gathered again, so each step runs the
+release decisions the fix touches. The release-path micro-benchmark calls
+``release_sub_module`` on already-released layers of a trained engine: the cached release-set
+lookup (class-level ``lru_cache`` on stock, the per-instance dict on patched) and, on DeepSpeed
+>= 0.19.3, the backward-pass merge of recompute parameters (in-place ``update`` on stock, the
+frozenset union on patched), without the matmuls that drown it in a step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zero3
+
+WIDTH = 1024
+STEPS = int(os.environ.get("DSMATRIX_BENCH_STEPS", "15"))  # timed steps per process (pytest-benchmark rounds)
+
+
+@pytest.fixture
+def engine(dtype: str, checkpointing: str) -> Iterator[Any]:
+    model = zero3.new_model(checkpointing, width=WIDTH)
+    engine = zero3.build_engine(model, dtype, reuse_distance=0)
+    for _ in range(3):  # record the trace, then run on it (release cache filled)
+        zero3.train_step(engine, dtype)
+    assert zero3.coordinator_of(engine).is_complete_trace(), "harness: the trace never completed"
+    yield engine
+    engine.destroy()
+
+
+def test_train_step(benchmark: Any, engine: Any, dtype: str) -> None:
+    benchmark.extra_info["kind"] = "step"
+    benchmark.pedantic(zero3.train_step, args=(engine, dtype), rounds=STEPS, iterations=1, warmup_rounds=2)
+
+
+def test_release_path(benchmark: Any, engine: Any) -> None:
+    coordinator = zero3.coordinator_of(engine)
+    layers = list(engine.module.layers)
+    active = getattr(coordinator, "_PartitionedParameterCoordinator__active_backward_submodules", None)
+    backward = isinstance(active, dict) and all(hasattr(m, "ds_recompute_parameters") for m in layers)
+    benchmark.extra_info.update(kind="release-path", backward=backward)
+
+    def release_all() -> None:
+        for layer in layers:
+            if backward:  # as during a checkpointed backward: the layer is active and owns recompute params
+                active[layer.ds_id] = layer
+                layer.ds_recompute_parameters = set(layer.parameters())
+            coordinator.release_sub_module(layer, forward=not backward)
+
+    benchmark(release_all)
