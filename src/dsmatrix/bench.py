@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dsmatrix.errors import RunError
-from dsmatrix.run import free_port, test_environment
+from dsmatrix.run import free_port, remove_shm_buffers, test_environment
 
 BENCH = Path(__file__).resolve().parents[2] / "tests" / "bench"
 NO_REGRESSION, REGRESSION, INCONCLUSIVE, NOT_MEASURED = "no-regression", "regression", "inconclusive", "not-measured"
@@ -126,10 +126,14 @@ def _bench_process(
         f"--benchmark-json={out}", "--benchmark-disable-gc", "--benchmark-min-rounds=15",
         f"--dtype={','.join(runtime['dtype'])}", f"--checkpointing={','.join(runtime['checkpointing'])}",
     ]  # fmt: skip
-    env = test_environment(python, extensions_dir, free_port(), 0, 1)
+    port = free_port()
+    env = test_environment(python, extensions_dir, port, 0, 1)
     log = out.with_suffix(".log")
-    with log.open("w") as handle:
-        proc = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=BENCH, timeout=timeout_s)
+    try:
+        with log.open("w") as handle:
+            proc = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=BENCH, timeout=timeout_s)
+    finally:
+        remove_shm_buffers(port)
     if proc.returncode != 0 or not out.is_file():
         raise RunError(f"benchmark process exited {proc.returncode} (log: {log})")
     return read_medians(out)

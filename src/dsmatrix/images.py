@@ -47,6 +47,7 @@ class ImageSpec:
     platform: str
     environment: tuple[tuple[str, str], ...] = ()
     mem_limit: str | None = None
+    shm_size: str = "2g"
 
     @property
     def arch(self) -> str:
@@ -337,6 +338,7 @@ def run_in_image(client: Any, spec: ImageSpec, argv: list[str], staging: Path, c
         environment=environment,
         working_dir="/src",
         mem_limit=spec.mem_limit,
+        shm_size=spec.shm_size,  # DeepSpeed's CPU comm op maps 64 MiB per process: docker's default is 64 MiB in all
         init=True,
     )
     last = ""

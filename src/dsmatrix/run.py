@@ -46,6 +46,21 @@ class TestRun:
     logs: tuple[Path, ...]
 
 
+def remove_shm_buffers(port: int, shm: Path = Path("/dev/shm")) -> int:
+    """Delete the shared-memory buffers DeepSpeed's CPU comm op left for our rendezvous port.
+
+    Every process that loads the op creates ``deepspeed_allreduce_buffer_<rank>_<addr>_<port>_*``
+    (64 MiB) and never removes it: on a host they pile up until reboot, and in a container with
+    docker's default 64 MiB ``/dev/shm`` the next process segfaults (seen in the rpi5 image).
+    Only buffers named with our own port are touched.
+    """
+    removed = 0
+    for path in shm.glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,6 +146,7 @@ def _run_ranks(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        remove_shm_buffers(port)
     for rank, (proc, junit, log) in enumerate(procs):
         if proc.returncode not in PYTEST_OK or not junit.is_file():
             tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]

@@ -10,6 +10,7 @@ from dsmatrix.cells import Cell, Selection
 from dsmatrix.errors import DiskSpaceError
 from dsmatrix.patches import load_patch_set
 from dsmatrix.pipeline import GIB, check_disk, engine_tests_digest, fingerprint
+from dsmatrix.run import remove_shm_buffers
 
 Usage = namedtuple("Usage", "total used free")
 RUNTIME = {"dtype": ("fp32",), "checkpointing": ("off",), "world_size": ("1",)}
@@ -33,3 +34,12 @@ def test_fingerprint_follows_versions_runtime_patch_and_suite(repo: Path) -> Non
     assert base != fingerprint(Cell("3.11", "2.13.0+cpu", "0.19.2"), runtime, patch, engine_tests_digest())
     assert base != fingerprint(cell, {**runtime, "world_size": ["1", "2"]}, patch, engine_tests_digest())
     assert base != fingerprint(cell, runtime, patch, "another test suite")
+
+
+def test_only_our_ports_shm_buffers_are_removed(tmp_path: Path) -> None:
+    ours = tmp_path / "deepspeed_allreduce_buffer_0_127.0.0.1_40001_0"
+    theirs = tmp_path / "deepspeed_allreduce_buffer_0_127.0.0.1_40002_0"
+    for path in (ours, theirs):
+        path.write_bytes(b"x")
+    assert remove_shm_buffers(40001, tmp_path) == 1
+    assert not ours.exists() and theirs.exists()
