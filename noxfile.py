@@ -43,6 +43,13 @@ for _cell in all_cells(MATRIX):
 
 
 @nox.session(python=DRIVER_PYTHON, default=False)
+def bench(session: nox.Session) -> None:
+    """Step-time (interleaved stock/patched, A/A calibration) and leak benchmarks; cells with a result only get benchmarked."""
+    session.install("-e", ".")
+    session.run("python", "-m", "dsmatrix", "matrix", "--bench", *session.posargs)
+
+
+@nox.session(python=DRIVER_PYTHON, default=False)
 def images(session: nox.Session) -> None:
     """Build the container images: x86_64 and rpi5 (-- --platform linux/arm64 for one, --base-image IMAGE)."""
     session.install("-e", ".")

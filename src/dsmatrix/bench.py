@@ -37,6 +37,15 @@ CONFIDENCE = 0.95
 
 
 @dataclass(frozen=True)
+class BenchOptions:
+    """How much to measure: interleaved rounds, the regression margin, leak lifecycles."""
+
+    rounds: int = DEFAULT_ROUNDS
+    margin: float = DEFAULT_MARGIN
+    lifecycles: int = 20
+
+
+@dataclass(frozen=True)
 class Comparison:
     """One benchmark's patched/stock (or A/A) ratio, its interval and the rule's verdict."""
 
@@ -178,3 +187,30 @@ def run_rounds(
         "files": sorted(str(p.name) for p in out_dir.glob(f"{name}-bench-r*.json")),
         "duration_s": round(time.monotonic() - started, 1),
     }
+
+
+LEAK_LINES = (("stock", "stock", False), ("patched", "patched", False), ("patched, FWD_MODULE_STACK drained (diagnostic)", "patched", True))
+
+
+def run_leak(
+    pythons: Mapping[str, Path], extensions: Mapping[str, Path], out_dir: Path, name: str, lifecycles: int, timeout_s: float = 1800
+) -> list[dict[str, Any]]:
+    """The leak benchmark's three lines: stock, patched, and patched with the unrelated retainer drained."""
+    lines = []
+    for label, build, drain in LEAK_LINES:
+        out = out_dir / f"{name}-leak-{build}{'-drained' if drain else ''}.json"
+        port = free_port()
+        env = test_environment(pythons[build], extensions[build], port, 0, 1)
+        command = [str(pythons[build]), str(BENCH / "leak.py"), "--lifecycles", str(lifecycles), "--json", str(out)]
+        log = out.with_suffix(".log")
+        try:
+            with log.open("w") as handle:
+                proc = subprocess.run(
+                    command + (["--drain"] if drain else []), stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=timeout_s
+                )
+        finally:
+            remove_shm_buffers(port)
+        if proc.returncode != 0 or not out.is_file():
+            raise RunError(f"leak benchmark ({label}) exited {proc.returncode} (log: {log})")
+        lines.append({"line": label, "build": build, "drain": drain, "file": f"bench/{out.name}", **json.loads(out.read_text())})
+    return lines

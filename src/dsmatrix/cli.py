@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dsmatrix import __version__
+from dsmatrix.bench import DEFAULT_MARGIN, DEFAULT_ROUNDS, BenchOptions
 from dsmatrix.cells import Cell, Selection, plan_cells
 from dsmatrix.errors import ConfigError, FatalError
 from dsmatrix.hosts import native_platform
@@ -37,7 +38,7 @@ from dsmatrix.images import (
 )
 from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, load_matrix
 from dsmatrix.patches import PatchSet, load_patch_set
-from dsmatrix.pipeline import cache_size, check_disk, check_patch, engine_tests_digest, fingerprint, preflight, run_cell
+from dsmatrix.pipeline import add_benchmarks, cache_size, check_disk, check_patch, engine_tests_digest, fingerprint, preflight, run_cell
 from dsmatrix.report import write_report
 from dsmatrix.results import Run, find_finished, import_cells, start_run
 from dsmatrix.verdict import ERROR, exit_code
@@ -68,6 +69,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     matrix.add_argument("--in-image", action="store_true", help="run this platform's cells in its image as well")
     matrix.add_argument("--base-image", help="base image for building missing images (default: debootstrap one here)")
     matrix.add_argument("--only", action="append", metavar="CELL_ID", help=argparse.SUPPRESS)  # what a host hands its image
+    matrix.add_argument(
+        "--bench",
+        action=argparse.BooleanOptionalAction,
+        help="step-time and leak benchmarks per cell (default: on in tiers above default); finished cells only get benchmarked",
+    )
+    matrix.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="benchmark rounds (stock, patched, stock again)")
+    matrix.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="regression margin of the decision rule (0.02 = 2%%)")
+    matrix.add_argument("--leak-lifecycles", type=int, default=20, help="engine lifecycles in the leak benchmark")
     images = sub.add_parser("images", help="build the container images (containers/*/Dockerfile)")
     images.add_argument("--platform", action="append", metavar="PLATFORM", help=f"one of {', '.join(IMAGES)} (default: both)")
     images.add_argument("--base-image", help="an official Debian image where a registry is reachable (default: debootstrap one here)")
@@ -90,6 +99,12 @@ def _wanted(args: argparse.Namespace) -> dict[str, list[str] | None]:
 def _selection_argv(args: argparse.Namespace) -> list[str]:
     """The matrix arguments a host hands on to its image (everything but where results and caches go)."""
     argv = ["--tier", args.tier, "--patch", str(Path(args.patch).resolve().relative_to(REPO))]
+    bench = _bench_options(args)
+    argv += (
+        ["--bench", f"--rounds={bench.rounds}", f"--margin={bench.margin}", f"--leak-lifecycles={bench.lifecycles}"]
+        if bench
+        else ["--no-bench"]
+    )
     for axis in RUNTIME_AXES:
         for value in _wanted(args)[axis] or ():
             argv += [f"--{axis.replace('_', '-')}", value]
@@ -106,6 +121,14 @@ def print_plan(selection: Selection, as_json: bool) -> None:
         print(f"{excluded.cell.label}: excluded by {excluded.rule.id}: {excluded.rule.reason}")
     runtime = ", ".join(f"{a}={'/'.join(v)}" for a, v in selection.runtime.items())
     print(f"{len(selection.cells)} cell(s), {len(selection.excluded)} excluded; runtime axes: {runtime}")
+
+
+def _bench_options(args: argparse.Namespace) -> BenchOptions | None:
+    """Benchmarks run when asked for, and by default in every tier above ``default``."""
+    wanted = args.bench if args.bench is not None else args.tier != "default"
+    if args.rounds < 3:
+        raise ConfigError(f"--rounds {args.rounds}: the bootstrap interval needs at least 3 rounds")
+    return BenchOptions(args.rounds, args.margin, args.leak_lifecycles) if wanted else None
 
 
 def _host_of(cell: Cell, args: argparse.Namespace) -> str:
@@ -129,6 +152,7 @@ def command_matrix(args: argparse.Namespace) -> int:
         rules = ", ".join(sorted({e.rule.id for e in selection.excluded}))
         raise ConfigError(f"tier {args.tier}: the selection leaves no cell to run ({len(selection.excluded)} excluded by {rules})")
     patch = load_patch_set(args.patch)
+    _bench_options(args)  # bad benchmark options fail here, before anything runs
     runtime = {a: list(v) for a, v in selection.runtime.items()}
     suite = engine_tests_digest()
     hosts = {cell: _host_of(cell, args) for cell in selection.cells}
@@ -188,15 +212,20 @@ def _run_matrix(
         f"patch {patch.source.name} ({patch.short}); uv cache {cache_size()}, this run may add ~{need:.1f} GiB; results in {run.root}"
     )
     verdicts: list[str] = []
+    bench = _bench_options(args)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` ends the run like Ctrl-C: finished cells stay
     try:
         for cell in selection.cells:
             if cell in reusable:
                 result = {**reusable[cell], "reused_from": reusable[cell].get("reused_from") or reusable[cell]["run_id"]}
                 print(f"{cell.label}: {result['verdict'].upper()}  (result of run {result['reused_from']}; --fresh re-runs it)")
+                if bench and hosts[cell] == "local" and "benchmarks" not in result:
+                    print(f"{cell.label}: benchmarks ...", flush=True)
+                    result = add_benchmarks(result, cell, selection, patch, args.cache_dir, run, bench)
+                    _print_benchmarks(result)
             elif hosts[cell] == "local":
                 print(f"{cell.label}: running ...", flush=True)
-                result = run_cell(cell, selection, patch, args.cache_dir, run, prints[cell])
+                result = run_cell(cell, selection, patch, args.cache_dir, run, prints[cell], bench)
                 _print_result(cell, result)
             else:
                 continue  # runs with the other cells of its image, below
@@ -221,6 +250,19 @@ def _print_result(cell: Cell, result: dict[str, Any]) -> None:
     print(f"{cell.label}: {result['verdict'].upper()}{timing}")
     for reason in result["reasons"]:
         print(f"    {reason}")
+    _print_benchmarks(result)
+
+
+def _print_benchmarks(result: dict[str, Any]) -> None:
+    bench = result.get("benchmarks")
+    if not bench:
+        return
+    print(f"    throughput: {bench['verdict']}" + (f" ({bench['reason']})" if bench.get("reason") else ""))
+    for label, key in (("patched/stock", "comparisons"), ("A/A stock/stock", "calibration")):
+        for c in bench.get(key, []):
+            print(f"      {label} {c['benchmark']}: {c['ratio']:.3f} [{c['low']:.3f}, {c['high']:.3f}] {c['verdict']}")
+    for line in bench.get("leak", []):
+        print(f"      leak {line['line']}: {line['growth_mb']:+.0f} MB over {len(line['series'])} lifecycles")
 
 
 def _run_image_cells(

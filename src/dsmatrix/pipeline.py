@@ -13,9 +13,11 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsmatrix.bench import NOT_MEASURED, BenchOptions, run_leak, run_rounds
 from dsmatrix.builds import build_key, build_wheel, builder_dir, fetch_sdist, unpack_sdist
 from dsmatrix.cells import Cell, Selection
 from dsmatrix.environments import check_installable, ensure_environment, find_interpreter, uv_executable
@@ -28,7 +30,7 @@ from dsmatrix.verdict import ERROR, cell_verdict
 
 BUILDS = ("stock", "patched")
 # setuptools: torch.utils.cpp_extension imports it to JIT-build DeepSpeed's comm op (torch 2.4)
-TEST_REQUIREMENTS = ("pytest", "packaging", "setuptools")
+TEST_REQUIREMENTS = ("pytest", "packaging", "setuptools", "pytest-benchmark")
 GIB = 1024**3
 # uv cache cost of one new (Python, torch) set, measured here: PyPI's x86_64 torch wheels are
 # CUDA builds (~6.7 GB unpacked with their nvidia-* dependencies); CPU builds ~1 GB.
@@ -89,7 +91,68 @@ def check_patch(deepspeed_versions: set[str], patch: PatchSet, cache: Path) -> N
             apply_diff(diff, unpack_sdist(sdist, Path(tmp)), deepspeed)
 
 
-def run_cell(cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run: Run, fingerprint: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PreparedBuild:
+    """One build of a cell, ready to run: its environment, wheel and torch-extensions folder."""
+
+    python: Path
+    extensions: Path
+    wheel: str
+    info: dict[str, Any]
+    installed: dict[str, str]
+
+    def facts(self) -> dict[str, Any]:
+        return {"wheel": self.wheel, "build_info": self.info, "installed": self.installed}
+
+
+def prepare_builds(cell: Cell, patch: PatchSet, cache: Path) -> dict[str, PreparedBuild]:
+    """Stock and patched wheels built and installed, each in its own environment (all cached)."""
+    builds = {}
+    for build in BUILDS:
+        build_patch = patch if build == "patched" else None
+        wheel = build_wheel(cell, cache, build_patch)
+        env = ensure_environment(
+            cache / "envs" / cell.id / build_key(build_patch),
+            find_interpreter(cell.python),
+            [f"torch=={cell.torch}", str(wheel.wheel), *TEST_REQUIREMENTS],
+            f"{cell.label} {build}",
+        )
+        key = wheel.info.get("wheel_sha256", build)[:12]
+        builds[build] = PreparedBuild(env.python, cache / "torch-extensions" / cell.id / key, wheel.wheel.name, wheel.info, env.installed)
+    return builds
+
+
+def run_benchmarks(
+    builds: dict[str, PreparedBuild], runtime: Any, run: Run, cell: Cell, options: BenchOptions, emulated: bool
+) -> dict[str, Any]:
+    """Step-time rounds and the leak lines for one cell; never judged under emulation."""
+    if emulated:
+        return {"verdict": f"{NOT_MEASURED} (emulated)", "reason": "timings under qemu-user say nothing about native speed"}
+    pythons = {b: builds[b].python for b in builds}
+    extensions = {b: builds[b].extensions for b in builds}
+    out = run.root / "bench"
+    started = time.monotonic()
+    try:
+        step = run_rounds(pythons, extensions, runtime, out, cell.id, options.rounds, options.margin)
+        leak = run_leak(pythons, extensions, out, cell.id, options.lifecycles)
+    except FatalError as exc:  # the correctness verdict stands; the benchmarks say why they have none
+        return {"verdict": "error", "reason": str(exc), "duration_s": round(time.monotonic() - started, 1)}
+    step["files"] = [f"bench/{name}" for name in step["files"]]
+    return {**step, "leak": leak, "duration_s": round(time.monotonic() - started, 1)}
+
+
+def add_benchmarks(result: dict[str, Any], cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run: Run, bench: BenchOptions):
+    """Benchmarks for a cell whose correctness result is reused (its builds are cached)."""
+    try:
+        builds = prepare_builds(cell, patch, cache)
+    except FatalError as exc:
+        return {**result, "benchmarks": {"verdict": "error", "reason": str(exc)}}
+    return {**result, "benchmarks": run_benchmarks(builds, selection.runtime, run, cell, bench, describe()["emulated"])}
+
+
+def run_cell(
+    cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run: Run, fingerprint: str, bench: BenchOptions | None = None
+) -> dict[str, Any]:
     """Build, install and test one cell; set-up and run failures become an ``error`` verdict."""
     started = time.monotonic()
     result: dict[str, Any] = {
@@ -104,28 +167,12 @@ def run_cell(cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run
     }
     setup_s = tests_s = 0.0
     try:
-        envs = {}
-        for build in BUILDS:
-            build_patch = patch if build == "patched" else None
-            wheel = build_wheel(cell, cache, build_patch)
-            envs[build] = ensure_environment(
-                cache / "envs" / cell.id / build_key(build_patch),
-                find_interpreter(cell.python),
-                [f"torch=={cell.torch}", str(wheel.wheel), *TEST_REQUIREMENTS],
-                f"{cell.label} {build}",
-            )
-            result["builds"][build] = {"wheel": wheel.wheel.name, "build_info": wheel.info, "installed": envs[build].installed}
+        builds = prepare_builds(cell, patch, cache)
+        result["builds"] = {build: b.facts() for build, b in builds.items()}
         setup_s = time.monotonic() - started
         runs = {}
-        for build in BUILDS:
-            key = result["builds"][build]["build_info"].get("wheel_sha256", build)[:12]
-            runs[build] = run_engine_tests(
-                envs[build].python,
-                cache / "torch-extensions" / cell.id / key,
-                selection.runtime,
-                run.root / "raw",
-                f"{cell.id}-{build}",
-            )
+        for build, b in builds.items():
+            runs[build] = run_engine_tests(b.python, b.extensions, selection.runtime, run.root / "raw", f"{cell.id}-{build}")
             result["builds"][build].update(
                 junit=[str(path.relative_to(run.root)) for path in runs[build].junits],
                 logs=[str(path.relative_to(run.root)) for path in runs[build].logs],
@@ -135,6 +182,9 @@ def run_cell(cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run
         tests_s = time.monotonic() - started - setup_s
         verdict = cell_verdict(runs["stock"].outcomes, runs["patched"].outcomes)
         result.update(verdict=verdict.verdict, reasons=list(verdict.reasons))
+        if bench is not None:
+            result["benchmarks"] = run_benchmarks(builds, selection.runtime, run, cell, bench, result["host"]["emulated"])
+            tests_s = time.monotonic() - started - setup_s - result["benchmarks"].get("duration_s", 0.0)
     except FatalError as exc:  # CellError, or e.g. an interpreter that vanished since the preflight
         result.update(verdict=ERROR, reasons=[str(exc)], error_kind=type(exc).__name__)
     except Exception as exc:  # noqa: BLE001 - one cell's crash must not lose the others
