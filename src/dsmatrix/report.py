@@ -7,6 +7,7 @@ from typing import Any
 
 import jinja2
 
+from dsmatrix.plots import leak_plot, ratio_plot
 from dsmatrix.results import load_run
 from dsmatrix.verdict import FIXED
 
@@ -31,7 +32,7 @@ def _test_rows(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def render_markdown(summary: dict[str, Any], cells: list[dict[str, Any]]) -> str:
+def render_markdown(summary: dict[str, Any], cells: list[dict[str, Any]], plots: dict[str, str] | None = None) -> str:
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("dsmatrix", "templates"),
         undefined=jinja2.StrictUndefined,
@@ -40,7 +41,8 @@ def render_markdown(summary: dict[str, Any], cells: list[dict[str, Any]]) -> str
         keep_trailing_newline=True,
     )
     qualified = bool(cells) and summary.get("status") == "complete" and all(c["verdict"] == FIXED for c in cells)
-    return env.get_template("report.md.j2").render(summary=summary, cells=cells, qualified=qualified, tests=_test_rows(cells))
+    template = env.get_template("report.md.j2")
+    return template.render(summary=summary, cells=cells, qualified=qualified, tests=_test_rows(cells), plots=plots or {})
 
 
 def write_report(run_path: Path, output: Path) -> Path:
@@ -48,5 +50,9 @@ def write_report(run_path: Path, output: Path) -> Path:
     summary, cells = load_run(run_path)
     target = output / summary["run_id"] / "qualification.md"
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(render_markdown(summary, cells))
+    plots = {}
+    for name, paths in (("RSS over lifecycles", leak_plot(cells, target.parent)), ("step-time ratios", ratio_plot(cells, target.parent))):
+        if paths:
+            plots[name] = paths[0].name
+    target.write_text(render_markdown(summary, cells, plots))
     return target

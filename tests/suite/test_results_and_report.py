@@ -136,3 +136,37 @@ def test_cells_from_an_image_are_imported_with_their_files(tmp_path: Path) -> No
     assert "500.0 (emulated)" in text
     row = "| matrix(py3.11, torch2.9.1, ds0.19.8, arm64) | dsmatrix/rpi5:latest | cortex-a76 (qemu-user CPU model), 2 CPU(s) | no | yes"
     assert row in text
+
+
+def _comparison(name: str, ratio: float, low: float, high: float, verdict: str) -> dict:
+    return {"benchmark": name, "rounds": 6, "ratio": ratio, "low": low, "high": high, "margin": 0.02, "verdict": verdict,
+            "rounds_to_decide": None, "width": high - low}  # fmt: skip
+
+
+def test_report_shows_throughput_leak_and_plots(tmp_path: Path) -> None:
+    series = [{"lifecycle": i, "rss_mb": 900 + 32 * i, "coordinators_alive": i, "linear_submodules_alive": 4 * i, "fwd_module_stack_len": i}
+              for i in range(1, 4)]  # fmt: skip
+    benchmarks = {
+        "rule": "ratio of medians patched/stock ...",
+        "margin": 0.02,
+        "verdict": "no-regression",
+        "comparisons": [_comparison("test_train_step[fp32-ckpt-off]", 0.995, 0.98, 1.01, "no-regression")],
+        "calibration": [_comparison("test_train_step[fp32-ckpt-off]", 1.001, 0.99, 1.012, "no-regression")],
+        "leak": [{"line": "stock", "growth_mb": 64.0, "series": series}],
+    }
+    run = start_run(tmp_path / "results", {"tier": "default", "patch": PATCH, "runtime": {}})
+    run.add_cell({**FIXED, "benchmarks": benchmarks})
+    run.add_cell(
+        {**FIXED, "cell": {**FIXED["cell"], "id": "x-arm64", "label": "arm64 cell"}, "benchmarks": {"verdict": "not-measured (emulated)"}}
+    )
+    run.write_summary("complete")
+    text = write_report(run.root, tmp_path / "reports").read_text()
+    assert (
+        "| **no-regression** | `test_train_step[fp32-ckpt-off]` | 0.995 [0.980, 1.010] no-regression | 1.001 [0.990, 1.012] no-regression, 2.2% | 6 |"
+        in text
+    )
+    assert "| arm64 cell | **not-measured (emulated)** |" in text
+    assert "| stock | +64 MB over 3 | 3 | 12 | 3 |" in text
+    for plot in ("leak-rss.png", "step-time-ratios.png", "leak-rss.svg"):
+        assert (tmp_path / "reports" / run.id / plot).stat().st_size > 1000
+    assert "[leak-rss.png](leak-rss.png)" in text
