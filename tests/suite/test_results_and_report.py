@@ -161,10 +161,8 @@ def test_report_shows_throughput_leak_and_plots(tmp_path: Path) -> None:
     )
     run.write_summary("complete")
     text = write_report(run.root, tmp_path / "reports").read_text()
-    assert (
-        "| **no-regression** | `test_train_step[fp32-ckpt-off]` | 0.995 [0.980, 1.010] no-regression | 1.001 [0.990, 1.012] no-regression, 2.2% | 6 |"
-        in text
-    )
+    row = "| `test_train_step[fp32-ckpt-off]` | 0.995 [0.980, 1.010] no-regression | 1.001 [0.990, 1.012] no-regression, 2.2% | 6 |"
+    assert f"| **no-regression** {row}" in text
     assert "| arm64 cell | **not-measured (emulated)** |" in text
     assert "| stock | +64 MB over 3 | 3 | 12 | 3 |" in text
     for plot in ("leak-rss.png", "step-time-ratios.png", "leak-rss.svg"):
