@@ -59,7 +59,16 @@ def test_patch_that_does_not_apply(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("args", [["--tier", "weekly"], ["--dtype", "fp16"], ["--patch", "no/such/patch.diff"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--tier", "weekly"],
+        ["--dtype", "fp16"],
+        ["--patch", "no/such/patch.diff"],
+        ["--bench", "--rounds", "2"],
+        ["--platform", "linux/s390x"],
+    ],
+)
 def test_bad_options(tmp_path: Path, args: list[str]) -> None:
     check_one_line_error(tmp_path, *args, expect="")
 
