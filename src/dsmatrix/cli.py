@@ -31,7 +31,6 @@ from dsmatrix.images import (
     build_image,
     docker_engine,
     ensure_emulation,
-    ensure_host_tools,
     image_for,
     inside_view,
     run_in_image,
@@ -177,7 +176,6 @@ def _images_ready(platforms: list[str], args: argparse.Namespace) -> Any:
     """A docker client with an image ready for every platform in ``platforms`` (built if missing)."""
     import docker
 
-    ensure_host_tools(emulation=any(p != native_platform() for p in platforms))
     with docker_engine(args.cache_dir / "docker") as client:
         for platform in platforms:
             ensure_emulation(platform)
@@ -320,7 +318,6 @@ def command_report(args: argparse.Namespace) -> int:
 def command_images(args: argparse.Namespace) -> int:
     platforms = _split(args.platform) or list(IMAGES)
     specs = [image_for(p) for p in platforms]
-    ensure_host_tools(emulation=any(p != native_platform() for p in platforms))
     with docker_engine(args.cache_dir / "docker") as client:
         built = []
         for spec in specs:

@@ -34,7 +34,6 @@ REPO = Path(__file__).resolve().parents[2]
 CONTAINERS = REPO / "containers"
 SUITE = "bookworm"  # Debian release of the local base; Raspberry Pi OS is bookworm too
 BASE_PACKAGES = ("python3", "python3-dev", "python3-venv", "python3-pip", "g++", "make", "patch", "ca-certificates", "procps")
-HOST_PACKAGES = {"dockerd": "docker.io", "debootstrap": "debootstrap", "update-binfmts": "binfmt-support"}
 QEMU_PACKAGE = "qemu-user-static"
 CA_IN_IMAGE = "/etc/dsmatrix/host-ca.pem"
 
@@ -90,25 +89,19 @@ def _run(cmd: list[str], what: str, error: type[Exception], timeout: float = 900
     return proc.stdout
 
 
-def ensure_host_tools(emulation: bool) -> None:
-    """Install the Debian packages the images need (docker.io, debootstrap, qemu) when missing."""
-    wanted = dict(HOST_PACKAGES)
-    if emulation:
-        wanted["qemu-aarch64-static"] = QEMU_PACKAGE
-    missing = sorted({pkg for exe, pkg in wanted.items() if shutil.which(exe) is None})
-    if not missing:
-        return
+def install_debian_packages(packages: list[str], why: str, error: type[Exception]) -> None:
+    """Install ``packages`` from Debian (as root), or raise ``error`` saying what to install."""
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise DockerUnavailable(f"missing {', '.join(missing)}: install them (apt-get install {' '.join(missing)}) or run as root")
+        raise error(f"{why}: install {' '.join(packages)} (apt-get install {' '.join(packages)}) as root")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
-    print(f"dsmatrix: installing {', '.join(missing)} from Debian ...", flush=True)
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
+    print(f"dsmatrix: {why}: installing {', '.join(packages)} from Debian ...", flush=True)
     if subprocess.run(install, capture_output=True, env=env).returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env)
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env)  # a fresh machine has no package lists
         proc = subprocess.run(install, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:]
-            raise DockerUnavailable(f"apt-get install {' '.join(missing)} failed: {' '.join(tail)}")
+            raise error(f"{why}: apt-get install {' '.join(packages)} failed: {' '.join(tail)}")
 
 
 def _client() -> Any:
@@ -129,9 +122,11 @@ def docker_engine(state_dir: Path) -> Iterator[Any]:
         return
     except docker.errors.DockerException:
         pass
+    if shutil.which("dockerd") is None:
+        install_debian_packages(["docker.io"], "no docker engine answers and dockerd is not installed", DockerUnavailable)
     dockerd = shutil.which("dockerd")
     if dockerd is None:
-        raise DockerUnavailable("no docker engine answers and dockerd is not installed (Debian package docker.io)")
+        raise DockerUnavailable("no docker engine answers and docker.io installed no dockerd")
     state_dir.mkdir(parents=True, exist_ok=True)
     log = state_dir / "dockerd.log"
     cmd = [dockerd, "--bridge=none", "--iptables=false", "--ip-masq=false", "--storage-driver=overlay2"]
@@ -180,8 +175,8 @@ def ensure_emulation(platform: str) -> None:
         return
     if not (binfmt / "register").exists():
         _run(["mount", "-t", "binfmt_misc", "binfmt_misc", str(binfmt)], "mounting binfmt_misc", EmulationUnavailable, 30)
-    if shutil.which("update-binfmts") is None:
-        raise EmulationUnavailable(f"{platform}: binfmt_misc has no qemu-{arch} entry and update-binfmts is missing (binfmt-support)")
+    if shutil.which("update-binfmts") is None or shutil.which(f"qemu-{arch}-static") is None:
+        install_debian_packages(["binfmt-support", QEMU_PACKAGE], f"{platform} needs qemu-user emulation", EmulationUnavailable)
     _run(["update-binfmts", "--enable", f"qemu-{arch}"], f"update-binfmts --enable qemu-{arch}", EmulationUnavailable, 30)
     if not (entry.exists() and entry.read_text().startswith("enabled")):
         raise EmulationUnavailable(f"{platform}: binfmt_misc still has no enabled qemu-{arch} entry after update-binfmts")
@@ -235,7 +230,7 @@ def build_local_base(client: Any, spec: ImageSpec, work: Path) -> str:
         client.images.get(spec.local_base)
         return spec.local_base
     if shutil.which("debootstrap") is None:
-        raise ImageBuildError("debootstrap is not installed (Debian package debootstrap): cannot build a base image here")
+        install_debian_packages(["debootstrap"], f"building {spec.local_base} needs debootstrap", ImageBuildError)
     work.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=work, prefix=f"base-{spec.arch}-") as tmp:
         rootfs = Path(tmp) / "rootfs"
