@@ -1,7 +1,9 @@
 """Benchmarks: step time stock vs patched with a stated decision rule, and the leak benchmark.
 
 Stock and patched live in different environments, so they are measured in alternating
-processes. Each round runs three: stock, patched, stock again. Every process runs
+processes. Each round runs three: stock, patched, stock again, in an order rotated from round
+to round so each takes every position equally often (position effects cancel). Every
+process runs with one intra-op thread (a 2-core machine's second core stays free for the OS) and runs
 ``tests/bench/bench_step.py`` under pytest-benchmark and saves its JSON; one process gives one
 median per benchmark. Per benchmark, the rounds give paired medians (stock, patched) and an A/A
 pair (stock, stock again) measured the same way.
@@ -33,6 +35,7 @@ BENCH = Path(__file__).resolve().parents[2] / "tests" / "bench"
 NO_REGRESSION, REGRESSION, INCONCLUSIVE, NOT_MEASURED = "no-regression", "regression", "inconclusive", "not-measured"
 DEFAULT_MARGIN = 0.02
 DEFAULT_ROUNDS = 6
+STEPS = 30  # timed training steps per process
 CONFIDENCE = 0.95
 
 
@@ -136,7 +139,7 @@ def _bench_process(
         f"--dtype={','.join(runtime['dtype'])}", f"--checkpointing={','.join(runtime['checkpointing'])}",
     ]  # fmt: skip
     port = free_port()
-    env = test_environment(python, extensions_dir, port, 0, 1)
+    env = {**test_environment(python, extensions_dir, port, 0, 1), "OMP_NUM_THREADS": "1", "DSMATRIX_BENCH_STEPS": str(STEPS)}
     log = out.with_suffix(".log")
     try:
         with log.open("w") as handle:
@@ -164,7 +167,7 @@ def run_rounds(
     medians: dict[str, list[dict[str, float]]] = {label: [] for label, _ in order}
     started = time.monotonic()
     for index in range(rounds):
-        for label, build in order:
+        for label, build in order[index % 3 :] + order[: index % 3]:
             out = out_dir / f"{name}-bench-r{index + 1}-{label}.json"
             medians[label].append(_bench_process(pythons[build], extensions[build], runtime, out, timeout_s))
     names = sorted(set.intersection(*(set(m) for label in medians for m in medians[label])))
