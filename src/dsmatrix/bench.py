@@ -206,6 +206,7 @@ def run_leak(
         env = test_environment(pythons[build], extensions[build], port, 0, 1)
         command = [str(pythons[build]), str(BENCH / "leak.py"), "--lifecycles", str(lifecycles), "--json", str(out)]
         log = out.with_suffix(".log")
+        started = time.monotonic()
         try:
             with log.open("w") as handle:
                 proc = subprocess.run(
@@ -215,5 +216,6 @@ def run_leak(
             remove_shm_buffers(port)
         if proc.returncode != 0 or not out.is_file():
             raise RunError(f"leak benchmark ({label}) exited {proc.returncode} (log: {log})")
-        lines.append({"line": label, "build": build, "drain": drain, "file": f"bench/{out.name}", **json.loads(out.read_text())})
+        line = {"line": label, "build": build, "drain": drain, "file": f"bench/{out.name}", **json.loads(out.read_text())}
+        lines.append({**line, "duration_s": round(time.monotonic() - started, 1)})
     return lines
