@@ -36,6 +36,18 @@ NO_REGRESSION, REGRESSION, INCONCLUSIVE, NOT_MEASURED = "no-regression", "regres
 DEFAULT_MARGIN = 0.02
 DEFAULT_ROUNDS = 6
 STEPS = 30  # timed training steps per process
+# CPU time of the benchmark process, not wall time: on a shared VM (this machine is one) wall time
+# carries other tenants' steal time and scheduling, which made stock-vs-stock (A/A) rounds differ
+# by up to 30%. With one intra-op thread, process CPU time is the work the step really does.
+TIMER = "time.process_time"
+# Per-process randomness that made rounds differ: hash seeds (set/dict layout on the release path)
+# and glibc handing big tensor buffers back to the kernel between steps (page faults every step).
+STABLE_PROCESS = {
+    "OMP_NUM_THREADS": "1",
+    "PYTHONHASHSEED": "0",
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
+}
 CONFIDENCE = 0.95
 
 
@@ -135,11 +147,11 @@ def _bench_process(
 ) -> dict[str, float]:
     command = [
         str(python), "-m", "pytest", str(BENCH / "bench_step.py"), "-p", "no:cacheprovider", "-q",
-        f"--benchmark-json={out}", "--benchmark-disable-gc", "--benchmark-min-rounds=15",
+        f"--benchmark-json={out}", "--benchmark-disable-gc", "--benchmark-min-rounds=15", f"--benchmark-timer={TIMER}",
         f"--dtype={','.join(runtime['dtype'])}", f"--checkpointing={','.join(runtime['checkpointing'])}",
     ]  # fmt: skip
     port = free_port()
-    env = {**test_environment(python, extensions_dir, port, 0, 1), "OMP_NUM_THREADS": "1", "DSMATRIX_BENCH_STEPS": str(STEPS)}
+    env = {**test_environment(python, extensions_dir, port, 0, 1), **STABLE_PROCESS, "DSMATRIX_BENCH_STEPS": str(STEPS)}
     log = out.with_suffix(".log")
     try:
         with log.open("w") as handle:
