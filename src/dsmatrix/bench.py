@@ -3,7 +3,7 @@
 Stock and patched live in different environments, so they are measured in alternating
 processes. Each round runs three: stock, patched, stock again, in an order rotated from round
 to round so each takes every position equally often (position effects cancel). Every
-process runs with one intra-op thread (a 2-core machine's second core stays free for the OS) and runs
+process is timed in CPU time with one intra-op thread (``STABLE_PROCESS``, ``TIMER``) and runs
 ``tests/bench/bench_step.py`` under pytest-benchmark and saves its JSON; one process gives one
 median per benchmark. Per benchmark, the rounds give paired medians (stock, patched) and an A/A
 pair (stock, stock again) measured the same way.
