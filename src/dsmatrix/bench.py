@@ -119,7 +119,8 @@ def decide(ratio: float, low: float, high: float, margin: float, rounds: int) ->
     distance = abs(limit - ratio)
     if not math.isfinite(half) or distance == 0:
         return INCONCLUSIVE, None
-    return INCONCLUSIVE, max(rounds + 1, math.ceil(rounds * (half / distance) ** 2))
+    needed = max(rounds + 1, math.ceil(rounds * (half / distance) ** 2))
+    return INCONCLUSIVE, needed if needed <= 20 * rounds else None  # beyond that: the ratio sits at the margin
 
 
 def compare(name: str, stock: Sequence[float], patched: Sequence[float], margin: float = DEFAULT_MARGIN) -> Comparison:
