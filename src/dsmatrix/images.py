@@ -111,6 +111,18 @@ def _client() -> Any:
 
 
 @contextlib.contextmanager
+def _docker_errors() -> Iterator[None]:
+    """A docker API error (a failed container start, a lost daemon) as one line, not a traceback."""
+    import docker
+
+    try:
+        yield
+    except docker.errors.DockerException as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DockerUnavailable(f"docker: {type(exc).__name__}: {first}") from None
+
+
+@contextlib.contextmanager
 def docker_engine(state_dir: Path) -> Iterator[Any]:
     """A docker client; starts a daemon when none answers and stops exactly that one on exit."""
     import docker
@@ -118,10 +130,12 @@ def docker_engine(state_dir: Path) -> Iterator[Any]:
     try:
         client = _client()
         client.ping()
-        yield client
-        return
     except docker.errors.DockerException:
-        pass
+        client = None
+    if client is not None:  # an engine answers: use it, start and stop nothing
+        with _docker_errors():
+            yield client
+        return
     if shutil.which("dockerd") is None:
         install_debian_packages(["docker.io"], "no docker engine answers and dockerd is not installed", DockerUnavailable)
     dockerd = shutil.which("dockerd")
@@ -135,7 +149,8 @@ def docker_engine(state_dir: Path) -> Iterator[Any]:
     try:
         client = _wait_for_engine(daemon, log)
         print(f"dsmatrix: started dockerd (pid {daemon.pid}, log {log}); it stops when this command ends", flush=True)
-        yield client
+        with _docker_errors():
+            yield client
     finally:
         daemon.terminate()
         try:

@@ -133,3 +133,21 @@ def test_arm64_plan_uses_the_tier_values_for_arm64() -> None:
     cells = json.loads(proc.stdout)["cells"]
     assert [(c["torch"], c["platform"]) for c in cells] == [("2.9.1", "linux/arm64")] * 2
     assert cells[0]["id"].endswith("-arm64")
+
+
+def test_docker_errors_inside_the_engine_block_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An API error while using an answering engine is a HostError line, and no daemon is started for it."""
+    import docker
+
+    from dsmatrix import images
+    from dsmatrix.errors import DockerUnavailable
+
+    class Answering:
+        def ping(self) -> bool:
+            return True
+
+    monkeypatch.setattr(images, "_client", Answering)
+    monkeypatch.setattr(images.subprocess, "Popen", lambda *a, **k: pytest.fail("no daemon may be started"))
+    with pytest.raises(DockerUnavailable, match="docker: ImageNotFound: no such image"):
+        with images.docker_engine(tmp_path):
+            raise docker.errors.ImageNotFound("no such image")
