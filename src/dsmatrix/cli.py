@@ -38,7 +38,7 @@ from dsmatrix.images import (
 from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, load_matrix
 from dsmatrix.patches import PatchSet, load_patch_set
 from dsmatrix.pipeline import add_benchmarks, cache_size, check_disk, check_patch, engine_tests_digest, fingerprint, preflight, run_cell
-from dsmatrix.report import write_report
+from dsmatrix.report import load_report, write_report
 from dsmatrix.results import Run, find_finished, import_cells, start_run
 from dsmatrix.verdict import ERROR, exit_code
 
@@ -63,11 +63,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     matrix.add_argument("--results", type=Path, default=Path("results"))
     matrix.add_argument("--cache-dir", type=Path, default=default_cache())
     matrix.add_argument("--plan", action="store_true", help="print the selected cells (and excluded ones) and exit")
-    matrix.add_argument("--json", action="store_true", help="with --plan: print the cells as JSON (for CI job matrices)")
+    matrix.add_argument("--json", action="store_true", help="with --plan: the cells as a GitHub Actions job matrix ({include: [...]})")
     matrix.add_argument("--fresh", action="store_true", help="re-run cells that already have a result for the same fingerprint")
     matrix.add_argument("--in-image", action="store_true", help="run this platform's cells in its image as well")
     matrix.add_argument("--base-image", help="base image for building missing images (default: debootstrap one here)")
-    matrix.add_argument("--only", action="append", metavar="CELL_ID", help=argparse.SUPPRESS)  # what a host hands its image
+    matrix.add_argument("--cell", "--only", dest="only", action="append", metavar="CELL_ID", help="run only these cell ids (a CI job's one cell)")
     matrix.add_argument(
         "--bench",
         action=argparse.BooleanOptionalAction,
@@ -80,9 +80,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     images.add_argument("--platform", action="append", metavar="PLATFORM", help=f"one of {', '.join(IMAGES)} (default: both)")
     images.add_argument("--base-image", help="an official Debian image where a registry is reachable (default: debootstrap one here)")
     images.add_argument("--cache-dir", type=Path, default=default_cache())
-    report = sub.add_parser("report", help="render a results run as Markdown")
-    report.add_argument("--results", type=Path, default=Path("results"))
-    report.add_argument("--run", default="latest", help="run id (default: latest)")
+    report = sub.add_parser("report", help="merge results stores into the release-qualification report (Markdown, HTML, JSON)")
+    report.add_argument(
+        "stores", nargs="*", type=Path, default=[Path("results")], help="results stores (their latest run) or run folders; default: results"
+    )
     report.add_argument("--output", type=Path, default=Path("reports"))
     return parser.parse_args(argv)
 
@@ -110,9 +111,16 @@ def _selection_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+# The GitHub-hosted runner of each platform: native, no emulation (the rpi5 image runs on a
+# self-hosted Raspberry Pi 5, see README).
+GITHUB_RUNNERS = {"linux/amd64": "ubuntu-24.04", "linux/arm64": "ubuntu-24.04-arm"}
+
+
 def print_plan(selection: Selection, as_json: bool) -> None:
     if as_json:
-        print(json.dumps({"cells": [{**c.as_dict(), "label": c.label} for c in selection.cells]}))
+        include = [{**c.as_dict(), "label": c.label, "runner": GITHUB_RUNNERS[c.platform]} for c in selection.cells]
+        excluded = [{"id": e.cell.id, "rule": e.rule.id} for e in selection.excluded]
+        print(json.dumps({"include": include, "excluded": excluded}))
         return
     for cell in selection.cells:
         print(cell.label)
@@ -304,9 +312,10 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def command_report(args: argparse.Namespace) -> int:
-    path = write_report(args.results / args.run, args.output)
-    print(path.read_text())
-    print(f"dsmatrix: report written to {path}")
+    target = write_report(args.stores, args.output)
+    print((target / "qualification.md").read_text())
+    report = load_report(target)
+    print(f"dsmatrix: {report['verdict']}: {target}/qualification.{{md,html,json}}")
     return 0
 
 

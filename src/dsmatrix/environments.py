@@ -150,6 +150,18 @@ def installed_versions(python: Path) -> dict[str, str]:
     return json.loads(proc.stdout)
 
 
+def pip_freeze(python: Path) -> list[str]:
+    """Every distribution installed in the environment, ``name==version``, sorted (what the report shows)."""
+    code = (
+        "import importlib.metadata as m\n"
+        "print('\\n'.join(sorted({f\"{d.metadata['Name']}=={d.version}\" for d in m.distributions()}, key=str.lower)))\n"
+    )
+    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise InstallError(f"{python}: cannot list installed distributions: {proc.stderr.strip()[-300:]}")
+    return proc.stdout.split()
+
+
 def ensure_environment(path: Path, interpreter: Path, requirements: Sequence[str], what: str) -> Environment:
     """Create (or reuse, when the marker shows the same request) a uv environment at ``path``."""
     wanted = {"interpreter": str(interpreter), "requirements": list(requirements)}

@@ -20,7 +20,7 @@ from typing import Any
 from dsmatrix.bench import NOT_MEASURED, BenchOptions, run_leak, run_rounds
 from dsmatrix.builds import build_key, build_wheel, builder_dir, fetch_sdist, unpack_sdist
 from dsmatrix.cells import Cell, Selection
-from dsmatrix.environments import check_installable, ensure_environment, find_interpreter, uv_executable
+from dsmatrix.environments import check_installable, ensure_environment, find_interpreter, pip_freeze, uv_executable
 from dsmatrix.errors import DiskSpaceError, FatalError
 from dsmatrix.hosts import describe
 from dsmatrix.patches import PatchSet, apply_diff
@@ -100,9 +100,10 @@ class PreparedBuild:
     wheel: str
     info: dict[str, Any]
     installed: dict[str, str]
+    freeze: list[str]
 
     def facts(self) -> dict[str, Any]:
-        return {"wheel": self.wheel, "build_info": self.info, "installed": self.installed}
+        return {"wheel": self.wheel, "build_info": self.info, "installed": self.installed, "freeze": self.freeze}
 
 
 def prepare_builds(cell: Cell, patch: PatchSet, cache: Path) -> dict[str, PreparedBuild]:
@@ -118,7 +119,8 @@ def prepare_builds(cell: Cell, patch: PatchSet, cache: Path) -> dict[str, Prepar
             f"{cell.label} {build}",
         )
         key = wheel.info.get("wheel_sha256", build)[:12]
-        builds[build] = PreparedBuild(env.python, cache / "torch-extensions" / cell.id / key, wheel.wheel.name, wheel.info, env.installed)
+        extensions = cache / "torch-extensions" / cell.id / key
+        builds[build] = PreparedBuild(env.python, extensions, wheel.wheel.name, wheel.info, env.installed, pip_freeze(env.python))
     return builds
 
 

@@ -1,58 +1,296 @@
-"""Render a results run as a Markdown release-qualification report (reads only the store)."""
+"""The release-qualification report: one or more results stores merged by cell fingerprint,
+judged once, and written as ``qualification.md`` (a GitHub job summary), ``qualification.html``
+(one self-contained page), ``qualification.json`` (schema: ``schemas/qualification.schema.json``),
+the plots and every cell's JUnit files, under ``reports/<id>/``. Reads only the stores.
+"""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jinja2
 
+from dsmatrix.bench import REGRESSION
+from dsmatrix.errors import ConfigError
 from dsmatrix.plots import leak_plot, ratio_plot
-from dsmatrix.results import load_run
-from dsmatrix.verdict import FIXED
+from dsmatrix.results import load_run, write_json
+from dsmatrix.verdict import ERROR, FIXED
 
-SYMBOL = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "skipped": "skip"}
+REPORT_SCHEMA = "dsmatrix-qualification/1"
+SCHEMA_FILE = Path(__file__).parent / "schemas" / "qualification.schema.json"
+QUALIFIED, NOT_QUALIFIED = "QUALIFIED", "NOT QUALIFIED"
+BUILDS = ("stock", "patched")
 
 
-def _test_rows(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per test id: its bug label and stock/patched outcome in every cell."""
-    ids: dict[str, str] = {}
+@dataclass(frozen=True)
+class Source:
+    """One results run that feeds the report (a run folder, or a store's ``latest``)."""
+
+    root: Path
+    summary: dict[str, Any]
+    cells: list[dict[str, Any]]
+
+
+def load_source(path: Path) -> Source:
+    """A run folder, or a results store: its ``latest`` run, or its newest run where ``latest``
+    did not survive the trip (a CI artifact keeps no symlinks)."""
+    if not path.exists():
+        raise ConfigError(f"{path}: no such results store or run")
+    root = path
+    if not (path / "summary.json").is_file():
+        runs = sorted(p.parent for p in path.glob("*/summary.json") if p.parent.name != "latest")
+        root = path / "latest" if (path / "latest" / "summary.json").is_file() else (runs[-1] if runs else path)
+    summary, cells = load_run(root)
+    return Source(root.resolve(), summary, cells)
+
+
+def merge(sources: Sequence[Source]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Cells keyed by fingerprint (the newest result of a fingerprint wins), each tagged with the
+    run it came from; excluded cells united by cell id. Stores that tested different patches
+    cannot make one report."""
+    patches = {s.summary["patch"]["sha256"]: s for s in sources}
+    if len(patches) > 1:
+        named = ", ".join(f"{s.root} ({sha[:12]})" for sha, s in patches.items())
+        raise ConfigError(f"the stores tested different patches, one report cannot judge them together: {named}")
+    by_print: dict[str, dict[str, Any]] = {}
+    for source in sources:
+        for cell in source.cells:
+            tagged = {**cell, "source": {"run_id": source.summary["run_id"], "root": str(source.root)}}
+            key = cell.get("fingerprint") or f"{source.root}:{cell['cell']['id']}"
+            if key not in by_print or cell.get("finished_at", "") > by_print[key].get("finished_at", ""):
+                by_print[key] = tagged
+    cells = sorted(by_print.values(), key=lambda c: (c["cell"].get("platform", "linux/amd64"), c["cell"]["id"]))
+    ran = {c["cell"]["id"] for c in cells}
+    excluded: dict[str, dict[str, Any]] = {}
+    for source in sources:
+        for entry in source.summary.get("excluded", []):
+            if entry["cell"]["id"] not in ran:
+                excluded.setdefault(entry["cell"]["id"], entry)
+    return cells, sorted(excluded.values(), key=lambda e: e["cell"]["id"])
+
+
+def _state(is_bug_test: bool, stock: str, patched: str) -> str:
+    """What one stock/patched pair says: ``fixed`` (bug seen on stock, gone on patched), ``ok``
+    (a control passing on both), ``broken`` (patched fails), ``unseen`` (a bug test passing on
+    stock), ``skipped``, ``absent``."""
+    if "absent" in (stock, patched):
+        return "absent"
+    if patched in ("failed", "error"):
+        return "broken"
+    if "skipped" in (stock, patched):
+        return "skipped"
+    if not is_bug_test:
+        return "ok" if stock == "passed" else "broken"
+    return "fixed" if stock in ("failed", "error") else "unseen"
+
+
+def _test_grid(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per test id: its bug (or ``control``) and the stock/patched outcome in every cell."""
+    bugs: dict[str, str] = {}
     for cell in cells:
         for build in cell.get("builds", {}).values():
             for test_id, outcome in build.get("tests", {}).items():
-                ids.setdefault(test_id, outcome.get("bug", ""))
+                bugs.setdefault(test_id, outcome.get("bug", ""))
     rows = []
-    for test_id, bug in sorted(ids.items(), key=lambda item: (item[1] == "", item[0])):
-        outcomes = []
+    for test_id, bug in sorted(bugs.items(), key=lambda item: (item[1] == "", item[1], item[0])):
+        outcomes = {}
         for cell in cells:
             builds = cell.get("builds", {})
-            pair = [SYMBOL.get(builds.get(b, {}).get("tests", {}).get(test_id, {}).get("outcome", ""), "–") for b in ("stock", "patched")]
-            outcomes.append(" / ".join(pair))
-        rows.append({"id": test_id, "bug": bug or "control", "outcomes": outcomes})
+            pair = {b: builds.get(b, {}).get("tests", {}).get(test_id, {}).get("outcome", "absent") for b in BUILDS}
+            outcomes[cell["cell"]["id"]] = {**pair, "state": _state(bool(bug), pair["stock"], pair["patched"])}
+        rows.append({"test": test_id, "bug": bug or "control", "outcomes": outcomes})
     return rows
 
 
-def render_markdown(summary: dict[str, Any], cells: list[dict[str, Any]], plots: dict[str, str] | None = None) -> str:
-    env = jinja2.Environment(
-        loader=jinja2.PackageLoader("dsmatrix", "templates"),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-    )
-    qualified = bool(cells) and summary.get("status") == "complete" and all(c["verdict"] == FIXED for c in cells)
-    template = env.get_template("report.md.j2")
-    return template.render(summary=summary, cells=cells, qualified=qualified, tests=_test_rows(cells), plots=plots or {})
+def _environment(cell: dict[str, Any]) -> dict[str, Any]:
+    host = cell.get("host", {})
+    builds = cell.get("builds", {})
+    return {
+        "host": "image " + cell["image"]["tag"] if cell.get("image") else "runner",
+        "architecture": host.get("machine", ""),
+        "platform": host.get("platform", cell["cell"].get("platform", "linux/amd64")),
+        "cpu_model": host.get("cpu_model", ""),
+        "cpu_count": host.get("cpu_count"),
+        "cpu_features": host.get("cpu_features", []),
+        "bf16": bool(host.get("bf16")),
+        "emulated": bool(host.get("emulated")),
+        "emulator": host.get("emulator"),
+        "kernel": host.get("kernel", ""),
+        "os_image": host.get("os_image", ""),
+        "builds": {
+            b: {
+                "installed": builds.get(b, {}).get("installed", {}),
+                "wheel": builds.get(b, {}).get("wheel", ""),
+                "freeze": builds.get(b, {}).get("freeze", []),
+            }
+            for b in BUILDS
+            if b in builds
+        },
+    }
 
 
-def write_report(run_path: Path, output: Path) -> Path:
-    """Write ``<output>/<run-id>/qualification.md`` for the run at ``run_path``."""
-    summary, cells = load_run(run_path)
-    target = output / summary["run_id"] / "qualification.md"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    plots = {}
-    for name, paths in (("RSS over lifecycles", leak_plot(cells, target.parent)), ("step-time ratios", ratio_plot(cells, target.parent))):
+def _throughput(cell: dict[str, Any]) -> dict[str, Any] | None:
+    bench = cell.get("benchmarks")
+    if not bench:
+        return None
+    keys = ("verdict", "reason", "rule", "rounds", "margin", "comparisons", "calibration", "calibration_verdict", "leak")
+    return {k: bench[k] for k in keys if k in bench}
+
+
+def _by_build(cell: dict[str, Any], keep: Any, value: Any) -> dict[str, list[dict[str, Any]]]:
+    """Per build, the tests ``keep`` selects, with ``value`` of each (a message, the observations)."""
+    builds = cell.get("builds", {})
+    return {b: [{"test": t, "value": value(o)} for t, o in builds[b].get("tests", {}).items() if keep(o)] for b in BUILDS if b in builds}
+
+
+def _cell_entry(cell: dict[str, Any]) -> dict[str, Any]:
+    c, builds = cell["cell"], cell.get("builds", {})
+    return {
+        "id": c["id"],
+        "label": c["label"],
+        "platform": c.get("platform", "linux/amd64"),
+        "python": c["python"],
+        "torch": c["torch"],
+        "deepspeed": c["deepspeed"],
+        "verdict": cell["verdict"],
+        "reasons": cell.get("reasons", []),
+        "error_kind": cell.get("error_kind"),
+        "source": cell["source"],
+        "fingerprint": cell.get("fingerprint", ""),
+        "timings": cell.get("timings", {}),
+        "throughput": _throughput(cell),
+        "environment": _environment(cell),
+        "reused_from": cell.get("reused_from"),
+        "failures": _by_build(cell, lambda t: t.get("outcome") in ("failed", "error"), lambda t: t.get("message", "")),
+        "observations": _by_build(cell, lambda t: bool(t.get("properties")), lambda t: t.get("properties", {})),
+        "junit": [f"junit/{cell['source']['run_id']}/{Path(p).name}" for b in BUILDS for p in builds.get(b, {}).get("junit", [])],
+    }
+
+
+def headline(sources: Sequence[Source], cells: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    """QUALIFIED only when every run completed, every non-excluded cell is ``fixed`` and no cell's
+    throughput is a ``regression``; otherwise NOT QUALIFIED, with every reason."""
+    unfinished = [s.summary for s in sources if s.summary.get("status") != "complete"]
+    reasons = [f"run {summary['run_id']} is {summary.get('status')}, not complete" for summary in unfinished]
+    if not cells:
+        reasons.append("no cell ran")
+    reasons += [f"{c['cell']['label']}: {c['verdict']}" for c in cells if c["verdict"] != FIXED]
+    reasons += [f"{c['cell']['label']}: throughput regression" for c in cells if (c.get("benchmarks") or {}).get("verdict") == REGRESSION]
+    return (NOT_QUALIFIED if reasons else QUALIFIED), reasons
+
+
+def report_id(sources: Sequence[Source]) -> str:
+    """The run id for one run; for a merge, a digest of the merged run ids."""
+    ids = sorted(s.summary["run_id"] for s in sources)
+    return ids[0] if len(ids) == 1 else "merged-" + hashlib.sha256(" ".join(ids).encode()).hexdigest()[:12]
+
+
+def build_report(sources: Sequence[Source]) -> dict[str, Any]:
+    """The report's content, once: what the JSON holds and both templates render."""
+    cells, excluded = merge(sources)
+    verdict, reasons = headline(sources, cells)
+    entries = [_cell_entry(c) for c in cells]
+    counts: dict[str, int] = {}
+    for cell in cells:
+        counts[cell["verdict"]] = counts.get(cell["verdict"], 0) + 1
+    first = sources[0].summary
+    return {
+        "schema": REPORT_SCHEMA,
+        "id": report_id(sources),
+        "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "verdict": verdict,
+        "verdict_reasons": reasons,
+        "rule": "QUALIFIED only when every run completed, every non-excluded cell is `fixed` and no cell's throughput is `regression`",
+        "patch": first["patch"],
+        "runtime": first.get("runtime", {}),
+        "sources": [
+            {
+                "run_id": s.summary["run_id"],
+                "root": str(s.root),
+                "status": s.summary.get("status", ""),
+                "tier": s.summary.get("tier", ""),
+                "driver": s.summary.get("host", {}),
+            }
+            for s in sources
+        ],
+        "counts": counts,
+        "cells": entries,
+        "tests": _test_grid(cells),
+        "excluded": [{"id": e["cell"]["id"], "label": e["cell"]["label"], "rule": e["rule"], "reason": e["reason"]} for e in excluded],
+        "errors": [{"id": c["id"], "label": c["label"], "message": "; ".join(c["reasons"])} for c in entries if c["verdict"] == ERROR],
+        "plots": {},
+    }
+
+
+OUTCOME = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "skipped": "skip", "absent": "–"}
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} µs"
+
+
+def _templates() -> tuple[jinja2.Template, jinja2.Template]:
+    loader = jinja2.PackageLoader("dsmatrix", "templates")
+    options: dict[str, Any] = {"undefined": jinja2.StrictUndefined, "trim_blocks": True, "lstrip_blocks": True}
+    options["keep_trailing_newline"] = True
+    templates = []
+    for name, autoescape in (("qualification.md.j2", False), ("qualification.html.j2", True)):
+        env = jinja2.Environment(loader=loader, autoescape=autoescape, **options)
+        env.filters.update(outcome=lambda o: OUTCOME.get(o, o), duration=_duration)
+        templates.append(env.get_template(name))
+    return templates[0], templates[1]
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    return _templates()[0].render(report=report)
+
+
+def render_html(report: dict[str, Any], images: dict[str, str] | None = None) -> str:
+    """The self-contained page; ``images`` maps plot names to data URIs."""
+    return _templates()[1].render(report=report, images=images or {})
+
+
+def _copy_junit(sources: Sequence[Source], report: dict[str, Any], target: Path) -> None:
+    """Each cell's JUnit files (a reused cell's live in the run that produced them)."""
+    roots = {s.summary["run_id"]: s.root for s in sources}
+    for cell in report["cells"]:
+        root = roots[cell["source"]["run_id"]]
+        runs = [root] + ([root.parent / cell["reused_from"]] if cell["reused_from"] else [])
+        for name in cell["junit"]:
+            found = [run / "raw" / Path(name).name for run in runs if (run / "raw" / Path(name).name).is_file()]
+            if found:
+                (target / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(found[0], target / name)
+
+
+def write_report(stores: Sequence[Path], output: Path) -> Path:
+    """Write ``<output>/<id>/qualification.{md,html,json}``, the plots and the JUnit files."""
+    sources = [load_source(p) for p in stores]
+    report = build_report(sources)
+    target = output / report["id"]
+    target.mkdir(parents=True, exist_ok=True)
+    cells, _ = merge(sources)
+    images = {}
+    for name, paths in (("leak", leak_plot(cells, target)), ("step-time-ratios", ratio_plot(cells, target))):
         if paths:
-            plots[name] = paths[0].name
-    target.write_text(render_markdown(summary, cells, plots))
+            report["plots"][name] = {"png": paths[0].name, "svg": paths[1].name}
+            images[name] = "data:image/png;base64," + base64.b64encode(paths[0].read_bytes()).decode()
+    _copy_junit(sources, report, target)
+    write_json(target / "qualification.json", report)
+    (target / "qualification.md").write_text(render_markdown(report))
+    (target / "qualification.html").write_text(render_html(report, images))
     return target
+
+
+def load_report(path: Path) -> dict[str, Any]:
+    return json.loads((path / "qualification.json").read_text())

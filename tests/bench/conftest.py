@@ -9,4 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
+import turns  # noqa: E402
+
+turns.park()  # wait for the first turn before anything heavy (DeepSpeed's import, engines) runs
+
 from cell_options import distributed, pytest_addoption, pytest_configure, pytest_generate_tests  # noqa: E402,F401

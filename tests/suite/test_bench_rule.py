@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from dsmatrix.bench import INCONCLUSIVE, NO_REGRESSION, NOT_MEASURED, REGRESSION, compare, decide, throughput_verdict
+from dsmatrix.bench import INCONCLUSIVE, NO_REGRESSION, NOT_MEASURED, REGRESSION, RELEASE_PATH, STEP, compare, decide, throughput_verdict
 
 
 def rounds(center: float, spread: float, n: int, seed: int) -> list[float]:
@@ -38,8 +38,27 @@ def test_rule_boundaries(low: float, high: float, verdict: str) -> None:
     assert decide((low + high) / 2, low, high, 0.02, 6)[0] == verdict
 
 
-def test_cell_verdict_is_the_worst_benchmark() -> None:
-    same = compare("a", rounds(0.100, 0.003, 8, 1), rounds(0.100, 0.003, 8, 2))
-    slower = compare("b", rounds(0.100, 0.003, 8, 1), rounds(0.110, 0.003, 8, 2))
+def test_machine_drift_between_rounds_cancels_within_each_round() -> None:
+    """Rounds 30% apart (the machine got slower) but patched == stock within every round: the
+    per-round ratio sees no difference, a ratio of pooled medians would see noise."""
+    drift = [1.0, 1.3, 0.9, 1.2, 1.0, 1.25]
+    stock = [0.100 * d for d in drift]
+    patched = [s * (1 + e) for s, e in zip(stock, np.random.default_rng(3).normal(0, 0.004, len(stock)), strict=True)]
+    c = compare("test_train_step[fp32-ckpt-off]", stock, patched)
+    assert c.verdict == NO_REGRESSION and c.width < 0.01, c
+
+
+def test_cell_verdict_is_the_worst_step_benchmark() -> None:
+    same = compare("test_train_step[a]", rounds(0.100, 0.003, 8, 1), rounds(0.100, 0.003, 8, 2))
+    slower = compare("test_train_step[b]", rounds(0.100, 0.003, 8, 1), rounds(0.110, 0.003, 8, 2))
+    assert (same.kind, slower.kind) == (STEP, STEP)
     assert throughput_verdict([same, slower]) == REGRESSION
     assert throughput_verdict([same]) == NO_REGRESSION and throughput_verdict([]) == NOT_MEASURED
+
+
+def test_release_path_is_reported_but_does_not_judge_the_cell() -> None:
+    step = compare("test_train_step[fp32-ckpt-off]", rounds(0.100, 0.003, 8, 1), rounds(0.100, 0.003, 8, 2))
+    micro = compare("test_release_path[fp32-ckpt-off]", rounds(80e-6, 0.003, 8, 1), rounds(84e-6, 0.003, 8, 2))
+    assert micro.kind == RELEASE_PATH and micro.verdict == REGRESSION
+    assert math.isclose(micro.patched_s - micro.stock_s, 4e-6, rel_tol=0.3)
+    assert throughput_verdict([step, micro]) == NO_REGRESSION

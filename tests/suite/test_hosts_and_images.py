@@ -130,7 +130,7 @@ def test_unknown_platform_in_matrix_is_one_line() -> None:
 
 def test_arm64_plan_uses_the_tier_values_for_arm64() -> None:
     proc = _cli("matrix", "--platform", "linux/arm64", "--plan", "--json")
-    cells = json.loads(proc.stdout)["cells"]
+    cells = json.loads(proc.stdout)["include"]
     assert [(c["torch"], c["platform"]) for c in cells] == [("2.9.1", "linux/arm64")] * 2
     assert cells[0]["id"].endswith("-arm64")
 

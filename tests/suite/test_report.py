@@ -1,0 +1,139 @@
+"""The release-qualification report: fixture stores in, Markdown / HTML / JSON out."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+from stores import ARM_FIXED, ERRORED, EXCLUDED, FIXED, NOT_FIXED, PATCH, benchmarks, cell, pair, store
+
+from dsmatrix.errors import ConfigError
+from dsmatrix.report import SCHEMA_FILE, load_report, write_report
+
+
+def validate(report: dict) -> None:
+    jsonschema.Draft202012Validator(json.loads(SCHEMA_FILE.read_text())).validate(report)
+
+
+def test_schema_is_a_valid_json_schema() -> None:
+    jsonschema.Draft202012Validator.check_schema(json.loads(SCHEMA_FILE.read_text()))
+
+
+def test_fixed_not_fixed_excluded_and_error_cells_render_in_all_three_formats(tmp_path: Path) -> None:
+    run = store(tmp_path / "results", [FIXED, NOT_FIXED, ERRORED], excluded=[EXCLUDED])
+    target = write_report([tmp_path / "results"], tmp_path / "reports")
+    assert target == tmp_path / "reports" / run.id
+    report = load_report(target)
+    validate(report)
+    assert report["verdict"] == "NOT QUALIFIED"
+    assert report["counts"] == {"fixed": 1, "not-fixed": 1, "error": 1}
+    assert "matrix(py3.11, torch2.13.0+cpu, ds0.19.7): not-fixed" in report["verdict_reasons"]
+    assert [e["rule"] for e in report["excluded"]] == ["torch-2.4-has-no-cp313"]
+    assert report["errors"][0]["message"].endswith("install torch: no solution")
+    states = {c: o["state"] for row in report["tests"] if row["bug"] == "retrace" for c, o in row["outcomes"].items()}
+    assert states == {"py3.11-torch2.13.0+cpu-ds0.19.6": "absent", "py3.11-torch2.13.0+cpu-ds0.19.7": "broken",
+                      "py3.11-torch2.13.0+cpu-ds0.19.8": "fixed"}  # fmt: skip
+    fixed = next(c for c in report["cells"] if c["verdict"] == "fixed")
+    assert fixed["environment"]["builds"]["patched"]["freeze"][0] == "deepspeed==0.19.8+zfix.ab"
+    assert fixed["environment"]["bf16"] and "avx512_bf16" in fixed["environment"]["cpu_features"]
+    for name in fixed["junit"]:
+        assert (target / name).is_file(), f"JUnit file {name} copied next to the report"
+
+    md = (target / "qualification.md").read_text()
+    assert "## ❌ NOT QUALIFIED" in md
+    for row in ("| **fixed** | no-regression |", "| **not-fixed** | not measured |", "| **error** | not measured |"):
+        assert row in md
+    assert "| `test_retrace::t[fp32]@ws1` | retrace | – / – | FAIL / FAIL | FAIL / pass |" in md
+    assert "| matrix(py3.13, torch2.4.1, ds0.19.8) | `torch-2.4-has-no-cp313` | torch 2.4.1 publishes no CPython 3.13 wheels |" in md
+    assert "- **matrix(py3.11, torch2.13.0+cpu, ds0.19.6)**: matrix(py3.11, torch2.13.0+cpu, ds0.19.6) stock: install torch" in md
+    assert 'when = { python = "==3.11", torch = "==2.13.0+cpu", deepspeed = "==0.19.6" }' in md
+    assert "| stock | +64 MB over 3 | 3 | 12 | 3 |" in md and "[leak-rss.png](leak-rss.png)" in md
+    assert "30.00 ms / 29.85 ms" in md
+
+    html = (target / "qualification.html").read_text()
+    assert '<div id="verdict" class="verdict NOT-QUALIFIED">NOT QUALIFIED</div>' in html
+    assert 'class="o s-fixed"' in html and 'class="o s-broken"' in html and "torch-2.4-has-no-cp313" in html
+    assert "<link" not in html and "<script" not in html, "one self-contained page: no external resources"
+    assert html.count("data:image/png;base64,") == 2, "both plots embedded"
+    for plot in ("leak-rss.png", "leak-rss.svg", "step-time-ratios.png", "step-time-ratios.svg"):
+        assert (target / plot).stat().st_size > 1000
+
+
+def test_markup_in_results_is_escaped_in_html(tmp_path: Path) -> None:
+    nasty = cell("0.19.5", "error", ["<script>alert(1)</script> & friends"], error_kind="RunError")
+    store(tmp_path / "results", [FIXED, nasty])
+    html = (write_report([tmp_path / "results"], tmp_path / "reports") / "qualification.html").read_text()
+    assert "<script>alert(1)</script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt; &amp; friends" in html
+
+
+def test_all_fixed_is_qualified_and_a_throughput_regression_is_not(tmp_path: Path) -> None:
+    store(tmp_path / "good", [FIXED], excluded=[EXCLUDED])
+    report = load_report(write_report([tmp_path / "good"], tmp_path / "reports"))
+    assert report["verdict"] == "QUALIFIED" and report["verdict_reasons"] == []
+    slow = {**FIXED, "benchmarks": benchmarks("regression", ratio=1.10)}
+    store(tmp_path / "slow", [slow])
+    report = load_report(write_report([tmp_path / "slow"], tmp_path / "reports"))
+    assert report["verdict"] == "NOT QUALIFIED"
+    assert report["verdict_reasons"] == ["matrix(py3.11, torch2.13.0+cpu, ds0.19.8): throughput regression"]
+
+
+def test_an_interrupted_run_does_not_qualify(tmp_path: Path) -> None:
+    run = store(tmp_path / "results", [FIXED], status="interrupted")
+    report = load_report(write_report([tmp_path / "results"], tmp_path / "reports"))
+    assert report["verdict"] == "NOT QUALIFIED" and report["verdict_reasons"] == [f"run {run.id} is interrupted, not complete"]
+
+
+def test_two_stores_from_different_runners_merge_into_one_report(tmp_path: Path) -> None:
+    """What the scheduled workflow's report job does with the artifacts of an x86 and an ARM runner."""
+    x86 = store(tmp_path / "artifacts" / "x86", [FIXED], excluded=[EXCLUDED])
+    arm = store(tmp_path / "artifacts" / "arm", [ARM_FIXED], excluded=[EXCLUDED])
+    rerun = store(tmp_path / "artifacts" / "x86-rerun", [{**FIXED, "finished_at": "2026-11-30T12:00:00Z", "reasons": ["newer"]}])
+    target = write_report([tmp_path / "artifacts" / n for n in ("x86", "arm", "x86-rerun")], tmp_path / "reports")
+    report = load_report(target)
+    validate(report)
+    assert target.name.startswith("merged-") and len(report["sources"]) == 3
+    assert [c["id"] for c in report["cells"]] == ["py3.11-torch2.13.0+cpu-ds0.19.8", "py3.11-torch2.9.1-ds0.19.8-arm64"]
+    x86_cell = report["cells"][0]
+    assert x86_cell["reasons"] == ["newer"] and x86_cell["source"]["run_id"] == rerun.id, "same fingerprint: the newest result wins"
+    assert report["cells"][1]["source"]["run_id"] == arm.id and report["cells"][1]["environment"]["architecture"] == "aarch64"
+    assert len(report["excluded"]) == 1 and report["verdict"] == "QUALIFIED"
+    md = (target / "qualification.md").read_text()
+    assert x86.id not in [c["source"]["run_id"] for c in report["cells"]] and f"`{x86.id}`" in md, "every merged run is named"
+
+
+def test_stores_of_different_patches_are_refused_in_one_line(tmp_path: Path) -> None:
+    store(tmp_path / "a", [FIXED])
+    store(tmp_path / "b", [FIXED], patch={**PATCH, "sha256": "cd" * 32})
+    with pytest.raises(ConfigError, match="different patches") as info:
+        write_report([tmp_path / "a", tmp_path / "b"], tmp_path / "reports")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("make", ["missing", "empty"])
+def test_a_store_without_results_is_one_line(tmp_path: Path, make: str) -> None:
+    if make == "empty":
+        (tmp_path / "results").mkdir()
+    with pytest.raises(ConfigError, match="results"):
+        write_report([tmp_path / "results"], tmp_path / "reports")
+
+
+def test_report_from_a_run_folder_or_the_store(tmp_path: Path) -> None:
+    run = store(tmp_path / "results", [cell("0.19.8", "fixed", ["ok"], pair("failed", "passed"))])
+    by_store = load_report(write_report([tmp_path / "results"], tmp_path / "r1"))
+    by_run = load_report(write_report([run.root], tmp_path / "r2"))
+    assert by_store["cells"] == by_run["cells"]
+    shutil.rmtree(tmp_path / "r1")
+
+
+def test_a_store_whose_latest_link_was_lost_uses_its_newest_run(tmp_path: Path) -> None:
+    """upload-artifact keeps no symlinks: a downloaded store has run folders but no ``latest``."""
+    store(tmp_path / "results", [NOT_FIXED])
+    time.sleep(1.1)  # run ids are ordered by their UTC second
+    newest = store(tmp_path / "results", [FIXED])
+    (tmp_path / "results" / "latest").unlink()
+    report = load_report(write_report([tmp_path / "results"], tmp_path / "reports"))
+    assert report["sources"][0]["run_id"] == newest.id and report["verdict"] == "QUALIFIED"

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from stores import ERRORED, FIXED, PATCH, cell
+
+from dsmatrix.report import load_report, write_report
+from dsmatrix.results import import_cells, load_run, start_run
+
+
+def test_run_keeps_each_finished_cell_and_points_latest(tmp_path: Path) -> None:
+    run = start_run(tmp_path, {"tier": "default", "patch": PATCH, "runtime": {}})
+    assert (tmp_path / "latest").resolve() == run.root.resolve()
+    run.add_cell(FIXED)
+    summary, cells = load_run(tmp_path / "latest")
+    assert summary["status"] == "running" and [c["verdict"] for c in summary["cells"]] == ["fixed"]
+    assert cells[0]["cell"]["id"] == FIXED["cell"]["id"]
+    run.add_cell(ERRORED)
+    run.write_summary("interrupted")
+    summary, _ = load_run(run.root)
+    assert summary["status"] == "interrupted" and len(summary["cells"]) == 2
+    assert not list(run.root.rglob("*.tmp")), "no temporary files left behind"
+    second = start_run(tmp_path, {"tier": "default", "patch": PATCH, "runtime": {}})
+    assert (tmp_path / "latest").resolve() == second.root.resolve()
+    assert json.loads((run.root / "cells" / f"{FIXED['cell']['id']}.json").read_text())["verdict"] == "fixed"
+
+
+EMULATED = {
+    **cell("0.19.8", "fixed", ["stock fails all"], platform="linux/arm64"),
+    "host": {"platform": "linux/arm64", "cpu_model": "cortex-a76 (qemu-user CPU model)", "cpu_count": 2, "bf16": False, "emulated": True,
+             "emulator": "qemu-user"},
+    "timings": {"setup_s": 500.0, "tests_s": 900.0, "total_s": 1400.0, "emulated": True},
+    "builds": {"stock": {"junit": ["raw/a-stock.xml"], "logs": ["raw/a-stock.log"]}},
+}  # fmt: skip
+
+
+def test_cells_from_an_image_are_imported_with_their_files(tmp_path: Path) -> None:
+    """A container's finished cells land in the host's run with their JUnit/log files; unfinished ones do not."""
+    staging = start_run(tmp_path / "staging", {"tier": "default", "patch": PATCH, "runtime": {}})
+    for name in ("raw/a-stock.xml", "raw/a-stock.log"):
+        (staging.root / name).parent.mkdir(parents=True, exist_ok=True)
+        (staging.root / name).write_text(name)
+    staging.add_cell(EMULATED)
+    (staging.root / "cells" / ".half.json.123.tmp").write_text("{")  # a write the container never finished
+    (staging.root / "raw" / "b-patched.log").write_text("Segmentation fault")  # an errored cell's log, listed nowhere
+    run = start_run(tmp_path / "results", {"tier": "default", "patch": PATCH, "runtime": {}})
+    added = import_cells(tmp_path / "staging", run, lambda r: {**r, "image": {"tag": "dsmatrix/rpi5:latest"}})
+    assert [c["cell"]["id"] for c in added] == ["py3.11-torch2.9.1-ds0.19.8-arm64"]
+    assert (run.root / "raw" / "a-stock.xml").read_text() == "raw/a-stock.xml"
+    assert (run.root / "raw" / "b-patched.log").read_text() == "Segmentation fault"
+    summary, cells = load_run(run.root)
+    assert cells[0]["image"]["tag"] == "dsmatrix/rpi5:latest" and cells[0]["run_id"] == run.id
+    run.write_summary("complete")
+    target = write_report([run.root], tmp_path / "reports")
+    entry = load_report(target)["cells"][0]
+    assert entry["environment"]["host"] == "image dsmatrix/rpi5:latest" and entry["environment"]["emulated"]
+    text = (target / "qualification.md").read_text()
+    assert "| cortex-a76 (qemu-user CPU model) | no | yes (qemu-user) |" in text
+    assert "- where: image dsmatrix/rpi5:latest, linux/arm64, cortex-a76 (qemu-user CPU model) (2 CPUs)" in text
+    assert "set-up 500.0 s, tests 900.0 s (under emulation: how long it took, not how fast the code is)" in text
