@@ -37,8 +37,8 @@ from dsmatrix.run import free_port, remove_shm_buffers, test_environment
 BENCH = Path(__file__).resolve().parents[2] / "tests" / "bench"
 NO_REGRESSION, REGRESSION, INCONCLUSIVE, NOT_MEASURED = "no-regression", "regression", "inconclusive", "not-measured"
 DEFAULT_MARGIN = 0.02
-DEFAULT_ROUNDS = 6
-STEPS = 100  # timed training steps per process
+DEFAULT_ROUNDS = 15  # a multiple of 3: every build takes every turn position equally often
+STEPS = 50  # timed training steps per process
 # CPU time of the benchmark process, not wall time: on a shared VM (this machine is one) wall time
 # carries other tenants' steal time and scheduling, which made stock-vs-stock (A/A) rounds differ
 # by up to 30%. With one intra-op thread, process CPU time is the work the step really does.

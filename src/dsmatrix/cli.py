@@ -67,7 +67,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     matrix.add_argument("--fresh", action="store_true", help="re-run cells that already have a result for the same fingerprint")
     matrix.add_argument("--in-image", action="store_true", help="run this platform's cells in its image as well")
     matrix.add_argument("--base-image", help="base image for building missing images (default: debootstrap one here)")
-    matrix.add_argument("--cell", "--only", dest="only", action="append", metavar="CELL_ID", help="run only these cell ids (a CI job's one cell)")
+    matrix.add_argument("--cell", "--only", dest="only", action="append", metavar="CELL_ID", help="run only these cell ids (a CI job)")
     matrix.add_argument(
         "--bench",
         action=argparse.BooleanOptionalAction,

@@ -11,7 +11,6 @@ frozenset union on patched), without the matmuls that drown it in a step.
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -22,41 +21,28 @@ import zero3
 
 WIDTH = 1024
 STEPS = int(os.environ.get("DSMATRIX_BENCH_STEPS", "15"))  # timed steps per process (pytest-benchmark rounds)
-ENGINES = int(os.environ.get("DSMATRIX_BENCH_ENGINES", "4"))  # engines per step benchmark, trained in turn
 
 
 @pytest.fixture
-def engines(dtype: str, checkpointing: str) -> Iterator[list[Any]]:
-    """ENGINES identical engines, trained in turn by the step benchmark: a process's step time
-    carries a factor from where its engine's buffers landed in memory (whole distributions
-    shifted by a few percent from one process to the next, fp32 most), and several engines per
-    process average it out."""
-    built = []
-    for _ in range(ENGINES):
-        engine = zero3.build_engine(zero3.new_model(checkpointing, width=WIDTH), dtype, reuse_distance=0)
-        for _ in range(3):  # record the trace, then run on it (release cache filled)
-            zero3.train_step(engine, dtype)
-        assert zero3.coordinator_of(engine).is_complete_trace(), "harness: the trace never completed"
-        built.append(engine)
-    yield built
-    for engine in built:
-        engine.destroy()
+def engine(dtype: str, checkpointing: str) -> Iterator[Any]:
+    model = zero3.new_model(checkpointing, width=WIDTH)
+    engine = zero3.build_engine(model, dtype, reuse_distance=0)
+    for _ in range(3):  # record the trace, then run on it (release cache filled)
+        zero3.train_step(engine, dtype)
+    assert zero3.coordinator_of(engine).is_complete_trace(), "harness: the trace never completed"
+    yield engine
+    engine.destroy()
 
 
-def test_train_step(benchmark: Any, engines: list[Any], dtype: str) -> None:
-    benchmark.extra_info.update(kind="step", engines=len(engines))
-    turn = itertools.cycle(engines)
-
-    def next_engine() -> tuple[tuple[Any, str], dict[str, Any]]:
-        turns.park()  # untimed: hand the CPU to the round's other processes
-        return (next(turn), dtype), {}
-
-    benchmark.pedantic(zero3.train_step, setup=next_engine, rounds=STEPS, iterations=1, warmup_rounds=2 * len(engines))
+def test_train_step(benchmark: Any, engine: Any, dtype: str) -> None:
+    benchmark.extra_info["kind"] = "step"
+    # turns.park (untimed setup) hands the CPU to the round's other processes before every step
+    benchmark.pedantic(zero3.train_step, args=(engine, dtype), setup=turns.park, rounds=STEPS, iterations=1, warmup_rounds=2)
 
 
-def test_release_path(benchmark: Any, engines: list[Any]) -> None:
-    coordinator = zero3.coordinator_of(engines[0])
-    layers = list(engines[0].module.layers)
+def test_release_path(benchmark: Any, engine: Any) -> None:
+    coordinator = zero3.coordinator_of(engine)
+    layers = list(engine.module.layers)
     active = getattr(coordinator, "_PartitionedParameterCoordinator__active_backward_submodules", None)
     backward = isinstance(active, dict) and all(hasattr(m, "ds_recompute_parameters") for m in layers)
     benchmark.extra_info.update(kind="release-path", backward=backward)
