@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import time
@@ -61,8 +62,31 @@ def remove_shm_buffers(port: int, shm: Path = Path("/dev/shm")) -> int:
     return removed
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free TCP port for a rendezvous, below the kernel's ephemeral range.
+
+    A port the kernel hands out (bind to 0) can be taken again by any process's next outgoing
+    or gloo connection before our rank binds it; with a benchmark round's three processes
+    starting together that happened (EADDRINUSE). Ports below the ephemeral range are only
+    ever taken by someone asking for them by number.
+    """
+    low, _ = _ephemeral_ports()
+    for port in random.sample(range(max(1024, low - 20000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything below the range taken: fall back to the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

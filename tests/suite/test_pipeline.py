@@ -43,3 +43,13 @@ def test_only_our_ports_shm_buffers_are_removed(tmp_path: Path) -> None:
         path.write_bytes(b"x")
     assert remove_shm_buffers(40001, tmp_path) == 1
     assert not ours.exists() and theirs.exists()
+
+
+def test_rendezvous_ports_stay_below_the_ephemeral_range() -> None:
+    """Ports the kernel hands out to connections are never picked, so three benchmark processes
+    starting together cannot take each other's rendezvous port (seen: EADDRINUSE)."""
+    from dsmatrix.run import _ephemeral_ports, free_port
+
+    low, _ = _ephemeral_ports()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 1
