@@ -160,6 +160,13 @@ def throughput_verdict(comparisons: Sequence[Comparison]) -> str:
     return NO_REGRESSION if verdicts else NOT_MEASURED
 
 
+def certifiable_margin(calibration: Sequence[Comparison]) -> float | None:
+    """The smallest margin at which every A/A step comparison of this run is ``no-regression``:
+    what this machine can certify with this many rounds (the A/A upper bounds, as a margin)."""
+    highs = [c.high for c in calibration if c.kind == STEP and math.isfinite(c.high)]
+    return round(max(0.0, max(highs) - 1), 4) if highs else None
+
+
 def read_medians(path: Path) -> dict[str, float]:
     """Benchmark name -> median seconds, from one pytest-benchmark JSON file."""
     data = json.loads(path.read_text())
@@ -294,6 +301,7 @@ def run_rounds(
         "calibration": [c.as_dict() for c in calibration],
         "verdict": throughput_verdict(fix),
         "calibration_verdict": throughput_verdict(calibration),
+        "certifiable_margin": certifiable_margin(calibration),
         "medians_s": {label: medians[label] for label in medians},
         "files": sorted(str(p.name) for p in out_dir.glob(f"{name}-bench-r*.json")),
         "duration_s": round(time.monotonic() - started, 1),

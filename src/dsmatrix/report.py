@@ -18,7 +18,7 @@ from typing import Any
 
 import jinja2
 
-from dsmatrix.bench import REGRESSION
+from dsmatrix.bench import REGRESSION, STEP, kind_of
 from dsmatrix.errors import ConfigError
 from dsmatrix.plots import leak_plot, ratio_plot
 from dsmatrix.results import load_run, write_json
@@ -141,8 +141,13 @@ def _throughput(cell: dict[str, Any]) -> dict[str, Any] | None:
     bench = cell.get("benchmarks")
     if not bench:
         return None
-    keys = ("verdict", "reason", "rule", "rounds", "margin", "comparisons", "calibration", "calibration_verdict", "leak")
-    return {k: bench[k] for k in keys if k in bench}
+    keys = ("verdict", "reason", "rule", "rounds", "margin", "comparisons", "calibration", "calibration_verdict", "certifiable_margin")
+    keys += ("leak",)
+    out = {k: bench[k] for k in keys if k in bench}
+    if "calibration" in bench and "certifiable_margin" not in bench:  # results written before it was recorded
+        highs = [c["high"] for c in bench["calibration"] if kind_of(c["benchmark"]) == STEP]
+        out["certifiable_margin"] = round(max(0.0, max(highs) - 1), 4) if highs else None
+    return out
 
 
 def _by_build(cell: dict[str, Any], keep: Any, value: Any) -> dict[str, list[dict[str, Any]]]:

@@ -62,3 +62,13 @@ def test_release_path_is_reported_but_does_not_judge_the_cell() -> None:
     assert micro.kind == RELEASE_PATH and micro.verdict == REGRESSION
     assert math.isclose(micro.patched_s - micro.stock_s, 4e-6, rel_tol=0.3)
     assert throughput_verdict([step, micro]) == NO_REGRESSION
+
+
+def test_the_certifiable_margin_is_the_widest_a_a_step_upper_bound() -> None:
+    from dsmatrix.bench import certifiable_margin
+
+    tight = compare("test_train_step[a]", rounds(0.100, 0.003, 8, 1), rounds(0.100, 0.003, 8, 2))
+    loose = compare("test_train_step[b]", rounds(0.100, 0.03, 8, 1), rounds(0.100, 0.03, 8, 2))
+    micro = compare("test_release_path[a]", rounds(0.100, 0.2, 8, 1), rounds(0.100, 0.2, 8, 2))
+    assert certifiable_margin([tight, loose, micro]) == round(loose.high - 1, 4) > tight.high - 1
+    assert certifiable_margin([micro]) is None

@@ -53,6 +53,7 @@ def test_fixed_not_fixed_excluded_and_error_cells_render_in_all_three_formats(tm
     assert 'when = { python = "==3.11", torch = "==2.13.0+cpu", deepspeed = "==0.19.6" }' in md
     assert "| stock | +64 MB over 3 | 3 | 12 | 3 |" in md and "[leak-rss.png](leak-rss.png)" in md
     assert "30.00 ms / 29.85 ms" in md
+    assert "A/A calibration `no-regression`; its upper bounds certify no-regression at margins >= 1.2% (this run: 2%, 6 rounds)" in md
 
     html = (target / "qualification.html").read_text()
     assert '<div id="verdict" class="verdict NOT-QUALIFIED">NOT QUALIFIED</div>' in html
