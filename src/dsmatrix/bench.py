@@ -1,20 +1,23 @@
 """Benchmarks: step time stock vs patched with a stated decision rule, and the leak benchmark.
 
-Stock and patched live in different environments, so they are measured in alternating
-processes. Each round runs three: stock, patched, stock again, in an order rotated from round
-to round so each takes every position equally often (position effects cancel). Every
-process is timed in CPU time with one intra-op thread (``STABLE_PROCESS``, ``TIMER``) and runs
+Stock and patched live in different environments, so they are measured in different processes.
+Each round starts three at once, stock, patched and stock again, pinned to one CPU, and lets
+exactly one run at a time: each parks before every timed step (``tests/bench/turns.py``) and
+the driver hands the turn round-robin, in an order rotated from round to round. Their steps
+interleave one by one, so the machine's drifts hit every build alike. Every process is timed in
+CPU time with one intra-op thread (``STABLE_PROCESS``, ``TIMER``), runs
 ``tests/bench/bench_step.py`` under pytest-benchmark and saves its JSON; one process gives one
-median per benchmark. Per benchmark, the rounds give paired medians (stock, patched) and an A/A
-pair (stock, stock again) measured the same way.
+median per benchmark.
 
-**Decision rule.** The statistic is the ratio of medians over rounds, patched / stock, with a
-95% paired bootstrap confidence interval (``scipy.stats.bootstrap``, rounds resampled together).
+**Decision rule.** Per round, the ratio patched / stock of the two processes' medians; over
+rounds, the geometric mean with a 95% bootstrap interval (``scipy.stats.bootstrap``).
 ``no-regression`` when the interval's upper bound is <= 1 + margin (default 2%),
 ``regression`` when its lower bound is > 1 + margin, otherwise ``inconclusive``, with an
-estimate of the rounds that would decide it (the half-width shrinks as 1/sqrt(rounds)). The A/A
-calibration must come out ``no-regression``; its interval width is the smallest difference this
-machine resolves with that many rounds. Timings taken under emulation are never judged.
+estimate of the rounds that would decide it (the half-width shrinks as 1/sqrt(rounds)). A cell
+is judged on its training-step benchmarks; the release-path micro-benchmark is reported beside
+them. The A/A calibration (stock vs stock again, same rounds) must come out ``no-regression``;
+its upper bounds give the smallest margin this machine certifies with that many rounds.
+Timings taken under emulation are never judged.
 """
 
 from __future__ import annotations
