@@ -29,7 +29,7 @@ import select
 import statistics
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -166,8 +166,13 @@ def throughput_verdict(comparisons: Sequence[Comparison]) -> str:
 def certifiable_margin(calibration: Sequence[Comparison]) -> float | None:
     """The smallest margin at which every A/A step comparison of this run is ``no-regression``:
     what this machine can certify with this many rounds (the A/A upper bounds, as a margin)."""
-    highs = [c.high for c in calibration if c.kind == STEP and math.isfinite(c.high)]
-    return round(max(0.0, max(highs) - 1), 4) if highs else None
+    return margin_certified_by(c.high for c in calibration if c.kind == STEP)
+
+
+def margin_certified_by(highs: Iterable[float]) -> float | None:
+    """The margin A/A upper bounds ``highs`` certify (None without a finite bound)."""
+    finite = [h for h in highs if math.isfinite(h)]
+    return round(max(0.0, max(finite) - 1), 4) if finite else None
 
 
 def read_medians(path: Path) -> dict[str, float]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import jinja2
 
-from dsmatrix.bench import REGRESSION, STEP, kind_of
+from dsmatrix.bench import REGRESSION, STEP, kind_of, margin_certified_by
 from dsmatrix.errors import ConfigError
 from dsmatrix.plots import leak_plot, ratio_plot
 from dsmatrix.results import load_run, write_json
@@ -145,8 +145,7 @@ def _throughput(cell: dict[str, Any]) -> dict[str, Any] | None:
     keys += ("leak",)
     out = {k: bench[k] for k in keys if k in bench}
     if "calibration" in bench and "certifiable_margin" not in bench:  # results written before it was recorded
-        highs = [c["high"] for c in bench["calibration"] if kind_of(c["benchmark"]) == STEP]
-        out["certifiable_margin"] = round(max(0.0, max(highs) - 1), 4) if highs else None
+        out["certifiable_margin"] = margin_certified_by(c["high"] for c in bench["calibration"] if kind_of(c["benchmark"]) == STEP)
     return out
 
 
@@ -198,9 +197,8 @@ def report_id(sources: Sequence[Source]) -> str:
     return ids[0] if len(ids) == 1 else "merged-" + hashlib.sha256(" ".join(ids).encode()).hexdigest()[:12]
 
 
-def build_report(sources: Sequence[Source]) -> dict[str, Any]:
-    """The report's content, once: what the JSON holds and both templates render."""
-    cells, excluded = merge(sources)
+def build_report(sources: Sequence[Source], cells: list[dict[str, Any]], excluded: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report's content, once, from ``merge(sources)``: what the JSON holds and both templates render."""
     verdict, reasons = headline(sources, cells)
     entries = [_cell_entry(c) for c in cells]
     counts: dict[str, int] = {}
@@ -281,10 +279,10 @@ def _copy_junit(sources: Sequence[Source], report: dict[str, Any], target: Path)
 def write_report(stores: Sequence[Path], output: Path) -> Path:
     """Write ``<output>/<id>/qualification.{md,html,json}``, the plots and the JUnit files."""
     sources = [load_source(p) for p in stores]
-    report = build_report(sources)
+    cells, excluded = merge(sources)
+    report = build_report(sources, cells, excluded)
     target = output / report["id"]
     target.mkdir(parents=True, exist_ok=True)
-    cells, _ = merge(sources)
     images = {}
     for name, paths in (("leak", leak_plot(cells, target)), ("step-time-ratios", ratio_plot(cells, target))):
         if paths:
