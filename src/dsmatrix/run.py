@@ -35,6 +35,8 @@ class TestOutcome:
     message: str = ""
     duration_s: float = 0.0
     properties: Mapping[str, str] = field(default_factory=dict)
+    observed: str = ""  # a bug test's figures when it saw the bug (the only evidence that counts)
+    reference: str = ""  # the build whose recorded behaviour this test's must equal (``stock``)
 
 
 @dataclass(frozen=True)
@@ -207,7 +209,11 @@ def merge_ranks(per_rank: Sequence[Mapping[str, TestOutcome]]) -> dict[str, Test
         message = f"rank {rank}: {worst.message}" if worst.message and worst.outcome != "skipped" else worst.message
         properties = {f"rank{r}.{k}": v for r, o in present for k, v in o.properties.items()}
         duration = max(o.duration_s for _, o in present)
-        merged[test_id] = TestOutcome(worst.outcome, bug, message, duration, properties)
+        # evidence only when every rank that failed failed by seeing the bug
+        failing = [(r, o) for r, o in present if o.outcome in ("failed", "error")]
+        seen = bool(failing) and all(o.observed for _, o in failing)
+        observed = "; ".join(f"rank {r}: {o.observed}" for r, o in failing) if seen else ""
+        merged[test_id] = TestOutcome(worst.outcome, bug, message, duration, properties, observed, present[0][1].reference)
     return merged
 
 
@@ -234,6 +240,8 @@ def read_junit(path: Path) -> dict[str, TestOutcome]:
                 message=_one_line(message),
                 duration_s=round(float(case.time or 0.0), 3),
                 properties=properties,
+                observed=properties.pop("bug_observed", ""),
+                reference=properties.pop("reference", ""),
             )
     return outcomes
 
@@ -249,6 +257,10 @@ def outcome_dict(outcome: TestOutcome) -> dict[str, object]:
         data["bug"] = outcome.bug
     if outcome.message:
         data["message"] = outcome.message
+    if outcome.observed:
+        data["bug_observed"] = _maybe_json(outcome.observed)
+    if outcome.reference:
+        data["reference"] = outcome.reference
     if outcome.properties:
         data["properties"] = {k: _maybe_json(v) for k, v in outcome.properties.items()}
     return data

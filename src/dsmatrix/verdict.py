@@ -1,16 +1,22 @@
 """Cell verdicts from the same engine tests run on the stock and the patched build (pure).
 
-- ``fixed``: the patched build passes every applicable test AND the stock build fails every
-  applicable bug test (each bug is really seen, and really gone).
-- ``not-fixed``: a test fails (or errors) on the patched build.
+- ``fixed``: the patched build passes every applicable test, behaves as stock in every
+  reference test, AND the stock build shows every applicable bug (each bug is really seen,
+  and really gone).
+- ``not-fixed``: a test fails (or errors) on the patched build, or the patched build gathers or
+  releases differently from stock where stock is right (``reference`` tests).
 - ``undetected``: a bug test passes on stock: the test cannot see the bug in this cell.
-- ``error``: install, build or run failure, or results that cannot be compared.
+- ``error``: install, build or run failure, a stock failure that is not the bug (a harness
+  assertion, an exception), or results that cannot be compared.
 
+Evidence discipline: a stock bug test counts as "the bug was seen" only when it failed through
+``bug_observed`` (it recorded the measured figures); any other stock failure is not evidence.
 A test is applicable when it was not skipped. Skips must agree between the builds.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -18,12 +24,42 @@ from dsmatrix.run import TestOutcome
 
 FIXED, NOT_FIXED, UNDETECTED, ERROR = "fixed", "not-fixed", "undetected", "error"
 VERDICTS = (FIXED, NOT_FIXED, UNDETECTED, ERROR)
+BEHAVIOUR = "behaviour"  # the property a reference test records its gathers and releases in
 
 
 @dataclass(frozen=True)
 class Verdict:
     verdict: str
     reasons: tuple[str, ...]
+
+
+def behaviour_difference(stock: TestOutcome, patched: TestOutcome) -> str:
+    """Empty when both builds recorded the same behaviour; else where they first differ."""
+    keys = sorted(k for k in set(stock.properties) | set(patched.properties) if k.split(".")[-1] == BEHAVIOUR)
+    if not keys:
+        return "no behaviour recorded"
+    for key in keys:
+        ours, theirs = _listing(patched.properties.get(key)), _listing(stock.properties.get(key))
+        if ours == theirs:
+            continue
+        where = f"{key.rsplit('.', 1)[0]} " if "." in key else ""
+        for index, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+            if a != b:
+                return f"{where}{index}: patched {a!r}, stock {b!r}"
+        return f"{where}patched {len(ours)} events, stock {len(theirs)}"
+    return ""
+
+
+def _listing(value: object) -> list[str]:
+    """A recorded behaviour as one line per event, ``step N: ...`` (steps as recorded)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return [value]
+    if not isinstance(value, list):
+        return [repr(value)]
+    return [f"step {n + 1}: {line}" for n, step in enumerate(value) for line in (step if isinstance(step, list) else [step])]
 
 
 def cell_verdict(stock: Mapping[str, TestOutcome], patched: Mapping[str, TestOutcome]) -> Verdict:
@@ -44,21 +80,38 @@ def cell_verdict(stock: Mapping[str, TestOutcome], patched: Mapping[str, TestOut
         return Verdict(ERROR, ("no applicable bug test ran",))
     broken = [t for t in applicable if patched[t].outcome in ("failed", "error")]
     if broken:
-        return Verdict(NOT_FIXED, tuple(f"patched {patched[t].outcome}: {t}: {patched[t].message}" for t in broken))
+        return Verdict(NOT_FIXED, tuple(_patched_failure(t, patched[t]) for t in broken))
     controls = [t for t in applicable if not stock[t].bug and stock[t].outcome != "passed"]
     if controls:
         return Verdict(
             ERROR, tuple(f"stock {stock[t].outcome} a control test (the observers may be blind): {t}: {stock[t].message}" for t in controls)
         )
-    stock_errors = [t for t in bug_tests if stock[t].outcome == "error"]
-    if stock_errors:
-        return Verdict(ERROR, tuple(f"stock errored (not a bug failure): {t}: {stock[t].message}" for t in stock_errors))
+    references = [t for t in applicable if stock[t].reference == "stock"]
+    differing = [(t, d) for t in references if (d := behaviour_difference(stock[t], patched[t]))]
+    if differing:
+        return Verdict(NOT_FIXED, tuple(f"patched behaves differently from stock where stock is right: {t}: {d}" for t, d in differing))
+    not_evidence = [t for t in bug_tests if stock[t].outcome != "passed" and not stock[t].observed]
+    if not_evidence:
+        return Verdict(
+            ERROR,
+            tuple(
+                f"stock {stock[t].outcome} for a reason other than the bug (not evidence): {t}: {stock[t].message}" for t in not_evidence
+            ),
+        )
     unseen = [t for t in bug_tests if stock[t].outcome == "passed"]
     if unseen:
         return Verdict(UNDETECTED, tuple(f"bug test passed on stock ({stock[t].bug}): {t}" for t in unseen))
     seen = ", ".join(sorted({stock[t].bug for t in bug_tests}))
-    summary = f"stock fails all {len(bug_tests)} applicable bug tests ({seen}); patched passes all {len(applicable)} applicable tests"
+    summary = (
+        f"stock shows the bug in all {len(bug_tests)} applicable bug tests ({seen}); patched passes all {len(applicable)} "
+        f"applicable tests and behaves as stock in {len(references)} reference test(s)"
+    )
     return Verdict(FIXED, (summary,))
+
+
+def _patched_failure(test: str, outcome: TestOutcome) -> str:
+    kind = "the bug is still seen" if outcome.observed else "not the bug: the patched build broke the test"
+    return f"patched {outcome.outcome}: {test}: {outcome.message} ({kind})"
 
 
 def exit_code(verdicts: list[str]) -> int:

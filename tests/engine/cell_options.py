@@ -28,6 +28,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "bug(name): a test that must fail on a build with that bug")
+    config.addinivalue_line("markers", "reference(build): records behaviour the verdict compares with that build's")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("LOCAL_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -18,7 +18,11 @@ from cell_options import distributed, pytest_addoption, pytest_configure, pytest
 
 
 @pytest.fixture(autouse=True)
-def _label_bug_tests(request: pytest.FixtureRequest, record_property) -> None:
-    """Put each bug test's bug name into the JUnit XML, where the verdict reads it."""
+def _label_tests(request: pytest.FixtureRequest, record_property) -> None:
+    """Put each bug test's bug name, and each reference test's reference build, into the JUnit
+    XML, where the verdict reads them."""
     marker = request.node.get_closest_marker("bug")
     record_property("bug", marker.args[0] if marker else "")
+    reference = request.node.get_closest_marker("reference")
+    if reference:
+        record_property("reference", reference.args[0])

@@ -1,22 +1,26 @@
-"""Harness for the engine tests: tiny models, real ZeRO-3 engines, and observers.
+"""Harness for the engine tests: tiny models, real ZeRO-3 engines, and a behaviour observer.
 
 Everything here drives real DeepSpeed engines (``deepspeed.initialize``, forward, backward,
-step) on the CPU accelerator. Observers look at *behaviour*: which parameters become
-``NOT_AVAILABLE`` when the engine releases a submodule, read from ``param.ds_status`` of
+step) on the CPU accelerator. The observer looks at *behaviour* only: which parameters each
+``fetch_sub_module`` call gathers and each ``release_sub_module`` call frees (the two public
+methods DeepSpeed's module hooks call on the coordinator), read from ``param.ds_status`` of
 parameter objects captured before training (reading ``module.weight`` during a pass would make
-DeepSpeed gather it and disturb what we measure).
+DeepSpeed gather it and disturb what we measure). No test reads a private method or field of
+the coordinator, so any correct fix, however it is written, is judged the same way.
 """
 
 from __future__ import annotations
 
 import gc
 import inspect
+import json
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import deepspeed
+import pytest
 import torch
 from packaging.version import Version
 from torch.utils.checkpoint import checkpoint
@@ -26,13 +30,16 @@ LAYERS = 4
 # Reuse distance (in parameter numel) that spans exactly one other layer: a layer used again
 # after one other layer stays resident, one used again later is released.
 REUSE_DISTANCE = 300
-
-ReleaseEvent = tuple[str, str, tuple[str, ...]]
+PREFETCH_NUMEL = 600  # a prefetch bucket of about two layers, for the prefetch-on variants
 
 
 def deepspeed_version() -> Version:
     """The installed DeepSpeed release (local labels such as ``+zfix.…`` dropped)."""
     return Version(Version(deepspeed.__version__).base_version)
+
+
+# --------------------------------------------------------------------------------------------
+# Models
 
 
 class FlowNet(torch.nn.Module):
@@ -42,14 +49,12 @@ class FlowNet(torch.nn.Module):
     under non-reentrant activation checkpointing, so backward recomputes its forward.
     """
 
-    def __init__(self, checkpointed: bool, frozen: Sequence[int] = (), width: int = WIDTH) -> None:
+    def __init__(self, checkpointed: bool, width: int = WIDTH, layers: int = LAYERS) -> None:
         super().__init__()
         self.width = width
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(LAYERS))
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
         self.checkpointed = checkpointed
-        self.flow: list[int] = [0, 1, 2, 3]
-        for index in frozen:
-            self.layers[index].requires_grad_(False)
+        self.flow: list[int] = list(range(layers))
 
     def _run(self, x: torch.Tensor, flow: Sequence[int]) -> torch.Tensor:
         # Activation before each layer, so a checkpointed region ends in a Linear whose backward
@@ -69,12 +74,103 @@ class FlowNet(torch.nn.Module):
         return x.float().pow(2).mean()
 
 
-def engine_config(dtype: str, reuse_distance: int = REUSE_DISTANCE) -> dict[str, Any]:
+class SharedLayerNet(torch.nn.Module):
+    """One layer applied ``repeats`` times (weight sharing, ALBERT-style) between two others.
+
+    Each application of the shared layer is activation-checkpointed on its own, so in backward
+    every application is recomputed while the others' backward is in progress.
+    """
+
+    def __init__(self, checkpointed: bool, repeats: int = 3, width: int = WIDTH) -> None:
+        super().__init__()
+        self.width = width
+        self.embed = torch.nn.Linear(width, width)
+        self.shared = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, width)
+        self.repeats = repeats
+        self.checkpointed = checkpointed
+
+    def _apply_shared(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(torch.relu(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for _ in range(self.repeats):
+            x = checkpoint(self._apply_shared, x, use_reentrant=False) if self.checkpointed else self._apply_shared(x)
+        return self.head(torch.relu(x)).float().pow(2).mean()
+
+
+class Gated(torch.nn.Module):
+    """A parent that holds its own parameter and uses it around a child module.
+
+    DeepSpeed releases the child and then the parent at the same trace step, so a release
+    decision that ignores which submodule is released shows here.
+    """
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(width, width))
+        self.inner = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x @ self.gain) @ self.gain
+
+
+class Block(torch.nn.Module):
+    """Nested modules: a gated parent and a plain layer inside a container."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gated = Gated(width)
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.relu(self.gated(x)))
+
+
+class StaticNet(torch.nn.Module):
+    """A static graph with nested modules, parents holding their own parameters (the root too)
+    and a module shared between two places: used again right after one other layer (within the
+    reuse distance: kept resident) and then not before backward (released). The blocks run
+    under activation checkpointing when asked."""
+
+    def __init__(self, checkpointed: bool, width: int = WIDTH) -> None:
+        super().__init__()
+        self.width = width
+        self.stem = torch.nn.Linear(width, width)
+        self.mix = torch.nn.Linear(width, width)
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(2))
+        self.head = torch.nn.Linear(width, width)
+        self.bias = torch.nn.Parameter(torch.zeros(width))  # the root's own parameter
+        self.checkpointed = checkpointed
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x) + self.bias
+        x = self.stem(torch.relu(self.mix(x)))  # the stem again, one layer later
+        x = checkpoint(self._blocks, x, use_reentrant=False) if self.checkpointed else self._blocks(x)
+        return (self.head(torch.relu(x)) + self.bias).float().pow(2).mean()
+
+
+def new_model(checkpointing: str, width: int = WIDTH, layers: int = LAYERS) -> FlowNet:
+    torch.manual_seed(0)
+    return FlowNet(checkpointed=checkpointing == "on", width=width, layers=layers)
+
+
+# --------------------------------------------------------------------------------------------
+# Engines
+
+
+def engine_config(dtype: str, reuse_distance: int = REUSE_DISTANCE, prefetch: int = 0) -> dict[str, Any]:
     """ZeRO-3 settings under which release decisions are visible.
 
     The defaults hide them: the persistence threshold keeps small parameters resident forever
     and a reuse distance of 1e9 keeps everything resident from forward to backward. Prefetch is
-    off so every gather happens where the trace says.
+    off unless asked for, so every gather happens where the trace says.
     """
     return {
         "train_micro_batch_size_per_gpu": 2,
@@ -84,23 +180,18 @@ def engine_config(dtype: str, reuse_distance: int = REUSE_DISTANCE) -> dict[str,
             "stage": 3,
             "stage3_param_persistence_threshold": 0,
             "stage3_max_reuse_distance": reuse_distance,
-            "stage3_prefetch_bucket_size": 0,
+            "stage3_prefetch_bucket_size": prefetch,
         },
     }
 
 
-def build_engine(model: torch.nn.Module, dtype: str, reuse_distance: int = REUSE_DISTANCE) -> Any:
-    """A real DeepSpeed ZeRO-3 engine around ``model`` (plain SGD: no compiled optimizer)."""
+def build_engine(model: torch.nn.Module, dtype: str, reuse_distance: int = REUSE_DISTANCE, prefetch: int = 0) -> Any:
+    """A real DeepSpeed ZeRO-3 engine around ``model`` (plain SGD over every parameter)."""
     torch.manual_seed(0)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(trainable, lr=1e-3)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config(dtype, reuse_distance))
+    optimizer = torch.optim.SGD(list(model.parameters()), lr=1e-3)
+    config = engine_config(dtype, reuse_distance, prefetch)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
-
-
-def new_model(checkpointing: str, frozen: Sequence[int] = (), width: int = WIDTH) -> FlowNet:
-    torch.manual_seed(0)
-    return FlowNet(checkpointed=checkpointing == "on", frozen=frozen, width=width)
 
 
 def batch(dtype: str, width: int = WIDTH) -> torch.Tensor:
@@ -118,7 +209,8 @@ def train_step(engine: Any, dtype: str) -> float:
 def coordinator_of(engine: Any) -> Any:
     """The engine's training PartitionedParameterCoordinator (created if still lazy).
 
-    DeepSpeed 0.14 keys coordinators by ``training``; later releases keep one.
+    Reached through the public ``get_param_coordinator()``; DeepSpeed 0.14 keys coordinators
+    by ``training``, later releases keep one.
     """
     offload = engine.optimizer.parameter_offload
     getter = offload.get_param_coordinator
@@ -127,52 +219,152 @@ def coordinator_of(engine: Any) -> Any:
     return getter()
 
 
-class ReleaseRecorder:
-    """Records which parameters each ``release_sub_module`` call really released.
+# --------------------------------------------------------------------------------------------
+# Observing behaviour
 
-    The coordinator's bound method is shadowed on the instance by a spy that compares
-    ``ds_status`` of every parameter before and after the real call; it changes nothing.
+
+@dataclass(frozen=True)
+class Event:
+    """Parameters that became resident (gathered) or were freed (released) in one call."""
+
+    call: str  # fetch | release | outside (between the coordinator's calls: step end, reset)
+    module: str
+    direction: str  # fwd | bwd | -
+    gathered: tuple[str, ...]
+    released: tuple[str, ...]
+
+    def line(self) -> str:
+        parts = [f"{self.call} {self.module} {self.direction}"]
+        if self.gathered:
+            parts.append("+" + ",".join(self.gathered))
+        if self.released:
+            parts.append("-" + ",".join(self.released))
+        return " ".join(parts)
+
+
+@dataclass
+class StepBehaviour:
+    """What one training step gathered and released, in order, and its peak resident numel."""
+
+    events: list[Event] = field(default_factory=list)
+    peak_numel: int = 0
+
+    @property
+    def gathers(self) -> int:
+        return sum(len(e.gathered) for e in self.events)
+
+    @property
+    def releases(self) -> int:
+        return sum(len(e.released) for e in self.events)
+
+    def lines(self) -> list[str]:
+        return [e.line() for e in self.events if e.gathered or e.released]
+
+
+class Observer:
+    """Records, step by step, which parameters the engine gathers and releases.
+
+    The coordinator's public ``fetch_sub_module`` and ``release_sub_module`` (what DeepSpeed's
+    module hooks call) are shadowed on the instance by spies that compare ``ds_status`` of every
+    parameter before and after the real call; changes between calls (a step's end, a reset) are
+    recorded as ``outside`` events. The spies change nothing the engine does.
     """
 
     def __init__(self, engine: Any, model: torch.nn.Module) -> None:
         self.coordinator = coordinator_of(engine)
         self.module_names = {id(m): (n or "<root>") for n, m in model.named_modules()}
         self.params = list(model.named_parameters())
-        self.events: list[ReleaseEvent] | None = None
-        real = self.coordinator.release_sub_module
+        self.numel = {name: int(p.ds_numel) for name, p in self.params}
+        self.steps: list[StepBehaviour] = []
+        self._current: StepBehaviour | None = None
+        self._last = self.resident()
+        for method, call in (("fetch_sub_module", "fetch"), ("release_sub_module", "release")):
+            self._spy(method, call)
+
+    def _spy(self, method: str, call: str) -> None:
+        real = getattr(self.coordinator, method)
 
         def spy(submodule: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            before = self.resident()
-            result = real(submodule, *args, **kwargs)
-            if self.events is not None:
+            self._note("outside", "-", "-")
+            try:
+                return real(submodule, *args, **kwargs)
+            finally:
                 forward = kwargs.get("forward", args[0] if args else None)
                 direction = {True: "fwd", False: "bwd"}.get(forward, "?")
-                released = tuple(sorted(before - self.resident()))
-                self.events.append((self.module_names.get(id(submodule), "?"), direction, released))
-            return result
+                self._note(call, self.module_names.get(id(submodule), "?"), direction)
 
-        self.coordinator.release_sub_module = spy
+        setattr(self.coordinator, method, spy)
 
-    def resident(self) -> set[str]:
-        return {name for name, p in self.params if p.ds_status.name == "AVAILABLE"}
+    def resident(self) -> frozenset[str]:
+        """Names of the parameters gathered or being gathered (not ``NOT_AVAILABLE``)."""
+        return frozenset(name for name, p in self.params if p.ds_status.name != "NOT_AVAILABLE")
 
-    def record(self, step: Callable[[], object]) -> list[ReleaseEvent]:
-        """Run ``step`` and return the release events it produced."""
-        self.events = []
+    def _note(self, call: str, module: str, direction: str) -> None:
+        now = self.resident()
+        if self._current is not None:
+            gathered, released = tuple(sorted(now - self._last)), tuple(sorted(self._last - now))
+            if gathered or released or call != "outside":
+                self._current.events.append(Event(call, module, direction, gathered, released))
+            self._current.peak_numel = max(self._current.peak_numel, sum(self.numel[n] for n in now))
+        self._last = now
+
+    def step(self, run: Callable[[], object]) -> StepBehaviour:
+        """Run one training step and return (and keep) its behaviour."""
+        self._note("outside", "-", "-")
+        self._current = StepBehaviour(peak_numel=sum(self.numel[n] for n in self._last))
         try:
-            step()
-            return self.events
+            run()
+            self._note("outside", "-", "-")
+            self.steps.append(self._current)
+            return self._current
         finally:
-            self.events = None
+            self._current = None
+
+
+def first_difference(ours: Sequence[str], reference: Sequence[str]) -> str:
+    """The first line where two behaviour listings differ, for a failure message."""
+    for index, (a, b) in enumerate(zip(ours, reference, strict=False)):
+        if a != b:
+            return f"event #{index}: {a!r}, reference {b!r}"
+    if len(ours) != len(reference):
+        return f"{len(ours)} events, reference {len(reference)}"
+    return "identical"
+
+
+# --------------------------------------------------------------------------------------------
+# Evidence
+
+
+def bug_observed(record_property: Callable[[str, object], None], figures: dict[str, Any], message: str) -> None:
+    """Fail the test as *the bug was seen*, recording the measured figures.
+
+    Only a failure raised through here counts as evidence that a build has the bug: the
+    verdict reads the ``bug_observed`` property. Any other failure of a bug test (a harness
+    assertion, an exception) is not evidence, and makes a stock build's cell ``error``.
+    """
+    record_property("bug_observed", json.dumps(figures, sort_keys=True))
+    pytest.fail(message, pytrace=False)
+
+
+def record_behaviour(record_property: Callable[[str, object], None], steps: Sequence[StepBehaviour]) -> None:
+    """Record what the steps gathered and released, for the verdict's comparison with stock."""
+    listing = [[*s.lines(), f"peak {s.peak_numel}"] for s in steps]
+    record_property("behaviour", json.dumps(listing, separators=(",", ":")))
+    record_property("gathers_per_step", [s.gathers for s in steps])
+    record_property("peak_numel_per_step", [s.peak_numel for s in steps])
+
+
+# --------------------------------------------------------------------------------------------
+# Lifecycles
 
 
 @dataclass(frozen=True)
-class LifecycleSurvivors:
-    """What is still alive after one more engine lifecycle (cumulative counts)."""
+class Survivors:
+    """What is still alive from destroyed engines (cumulative counts)."""
 
     coordinators: int
     models: int
-    held_by_fwd_module_stack: int
+    parameters: int
 
 
 def fwd_module_stack() -> list[torch.nn.Module]:
@@ -186,8 +378,8 @@ def release_from_fwd_module_stack(models: Sequence[weakref.ref]) -> int:
     """Take our destroyed engines' modules off FWD_MODULE_STACK; returns how many entries.
 
     The stack holds every engine's root module, plus one submodule per early-stopped
-    non-reentrant checkpoint recompute. This is the diagnostic step that separates that
-    unrelated retainer from the cache under test; callers report the count, never hide it.
+    non-reentrant checkpoint recompute. This separates that retainer, which has nothing to do
+    with the fix, from the cache under test; callers report the count, never hide it.
     """
     ours = {id(m) for ref in models if ref() is not None for m in ref().modules()}
     stack = fwd_module_stack()

@@ -48,14 +48,14 @@ def test_deepspeed_version_without_a_diff(tmp_path: Path) -> None:
 
 
 def test_patch_that_does_not_apply(tmp_path: Path) -> None:
-    candidate = FIXTURES / "patches" / "partial-in-place-update.diff"  # written against 0.19.8
+    candidate = FIXTURES / "panel" / "in-place-update" / "deepspeed-0.19.3-and-later.diff"  # written against 0.19.8
     check_one_line_error(
         tmp_path,
         "--patch",
         str(candidate),
         "--deepspeed",
         "0.19.2",
-        expect=f"DeepSpeed 0.19.2: partial-in-place-update.diff does not apply: {COORDINATOR} hunk #",
+        expect=f"DeepSpeed 0.19.2: deepspeed-0.19.3-and-later.diff does not apply: {COORDINATOR} hunk #",
     )
 
 

@@ -8,7 +8,7 @@ BUGS = {"t::lifecycle": "lifecycle", "t::retrace": "retrace", "t::recompute": "r
 
 def outcomes(**overrides: str) -> dict[str, TestOutcome]:
     """A stock-like run: every bug test failing, the control passing, unless overridden."""
-    result = {test: TestOutcome("failed", bug=bug, message="bug seen") for test, bug in BUGS.items()}
+    result = {test: TestOutcome("failed", bug=bug, message="bug seen", observed='{"figure": 1}') for test, bug in BUGS.items()}
     result["t::control"] = TestOutcome("passed")
     for name, outcome in overrides.items():
         test = f"t::{name}"
@@ -25,10 +25,60 @@ def test_fixed_when_stock_fails_every_bug_test_and_patched_passes() -> None:
     assert "lifecycle, recompute, retrace" in verdict.reasons[0]
 
 
+def test_a_stock_failure_that_did_not_observe_the_bug_is_error_not_evidence() -> None:
+    stock = outcomes()
+    stock["t::retrace"] = TestOutcome("failed", bug="retrace", message="AssertionError: harness: no release observed")
+    verdict = cell_verdict(stock, outcomes(**PATCHED_OK))
+    assert verdict.verdict == "error"
+    assert verdict.reasons == (
+        "stock failed for a reason other than the bug (not evidence): t::retrace: AssertionError: harness: no release observed",
+    )
+    stock["t::retrace"] = TestOutcome("error", bug="retrace", message="RuntimeError in fixture")
+    assert cell_verdict(stock, outcomes(**PATCHED_OK)).verdict == "error"
+
+
+def test_patched_failure_says_whether_the_bug_was_seen() -> None:
+    patched = outcomes(**PATCHED_OK)
+    patched["t::lifecycle"] = TestOutcome("failed", bug="lifecycle", message="alive", observed='{"surviving_coordinators": [1, 1, 1]}')
+    verdict = cell_verdict(outcomes(), patched)
+    assert verdict.verdict == "not-fixed" and verdict.reasons[0].endswith("(the bug is still seen)")
+
+
+def _reference(listing: str, outcome: str = "passed") -> TestOutcome:
+    return TestOutcome(outcome, reference="stock", properties={"behaviour": listing})
+
+
+def test_reference_tests_compare_patched_behaviour_with_stock() -> None:
+    same = '[["fetch a fwd +a.w","release a fwd -a.w"]]'
+    stock, patched = outcomes(), outcomes(**PATCHED_OK)
+    stock["t::equivalence"] = _reference(same)
+    patched["t::equivalence"] = _reference(same)
+    fixed = cell_verdict(stock, patched)
+    assert fixed.verdict == "fixed" and "1 reference test(s)" in fixed.reasons[0]
+    patched["t::equivalence"] = _reference('[["fetch a fwd +a.w","release a fwd"]]')
+    verdict = cell_verdict(stock, patched)
+    assert verdict.verdict == "not-fixed"
+    assert verdict.reasons == (
+        "patched behaves differently from stock where stock is right: t::equivalence: "
+        "1: patched 'step 1: release a fwd', stock 'step 1: release a fwd -a.w'",
+    )
+    stock["t::equivalence"] = _reference(same, outcome="failed")
+    assert cell_verdict(stock, patched).verdict == "error"
+
+
+def test_rank_evidence_needs_every_failing_rank_to_have_seen_the_bug() -> None:
+    from dsmatrix.run import merge_ranks
+
+    seen = TestOutcome("failed", bug="retrace", message="differs", observed="{}")
+    harness = TestOutcome("failed", bug="retrace", message="harness")
+    assert merge_ranks([{"t::a": seen}, {"t::a": seen}])["t::a"].observed
+    assert not merge_ranks([{"t::a": seen}, {"t::a": harness}])["t::a"].observed
+
+
 def test_not_fixed_names_the_failing_patched_test() -> None:
     verdict = cell_verdict(outcomes(), outcomes(**{**PATCHED_OK, "retrace": "failed"}))
     assert verdict.verdict == "not-fixed"
-    assert verdict.reasons == ("patched failed: t::retrace: retrace failed",)
+    assert verdict.reasons == ("patched failed: t::retrace: retrace failed (not the bug: the patched build broke the test)",)
 
 
 def test_undetected_when_a_bug_test_passes_on_stock() -> None:

@@ -1,0 +1,51 @@
+"""The candidate-fix panel (``tests/fixtures/panel/``): correct fixes shaped differently from the
+bundled one come out ``fixed``; incomplete ones ``not-fixed``, naming the test that caught them.
+
+Every candidate runs on DeepSpeed 0.19.8 (one cell, fp32 with checkpointing: every bug and every
+reference test applies there); the candidates that have a diff for it also run on 0.19.2 and
+0.14.5. Marked ``panel`` (and ``e2e``): each candidate builds and tests a patched DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, run_cli
+
+PANEL = FIXTURES / "panel"
+RELEASES = {"0.19.8": ">=0.19.3", "0.19.2": ">=0.19,<0.19.3", "0.14.5": ">=0.14,<0.16"}
+
+
+def candidates() -> list:
+    params = []
+    for manifest in sorted(PANEL.glob("*/manifest.toml")):
+        data = tomllib.loads(manifest.read_text())
+        ranges = {d["versions"] for d in data["diff"]}
+        for release, versions in RELEASES.items():
+            if versions in ranges:
+                marks = [pytest.mark.e2e, pytest.mark.panel]
+                params.append(pytest.param(manifest.parent, release, data, id=f"{manifest.parent.name}-{release}", marks=marks))
+    return params
+
+
+def test_panel_has_both_kinds() -> None:
+    kinds = [tomllib.loads(m.read_text())["expected"] for m in PANEL.glob("*/manifest.toml")]
+    assert kinds.count("fixed") >= 4 and kinds.count("not-fixed") >= 8
+
+
+@pytest.mark.parametrize(("candidate", "release", "manifest"), candidates())
+def test_candidate_gets_its_expected_verdict(tmp_path: Path, candidate: Path, release: str, manifest: dict) -> None:
+    results = tmp_path / "results"
+    args = ("--deepspeed", release, "--dtype", "fp32", "--checkpointing", "on", "--patch", str(candidate), "--results", str(results))
+    proc = run_cli("matrix", *args, cwd=tmp_path)
+    (cell_file,) = (results / "latest" / "cells").glob("*.json")
+    result = json.loads(cell_file.read_text())
+    expected = manifest["expected"]
+    assert result["verdict"] == expected, f"{candidate.name} on {release}: {result['verdict']}: {result['reasons']}"
+    assert proc.returncode == (0 if expected == "fixed" else 1)
+    if expected == "not-fixed":
+        caught = manifest["caught_by"]
+        assert any(caught in reason for reason in result["reasons"]), result["reasons"]
