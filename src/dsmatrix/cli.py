@@ -226,7 +226,7 @@ def _run_matrix(
                     _print_benchmarks(result)
             elif hosts[cell] == "local":
                 print(f"{cell.label}: running ...", flush=True)
-                result = run_cell(cell, selection, patch, args.cache_dir, run, prints[cell], bench)
+                result = run_cell(cell, selection, patch, args.cache_dir, run, prints[cell], bench, reuse_stock=not args.fresh)
                 _print_result(cell, result)
             else:
                 continue  # runs with the other cells of its image, below

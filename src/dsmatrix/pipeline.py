@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -16,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from filelock import FileLock
 
 from dsmatrix.bench import NOT_MEASURED, BenchOptions, run_leak, run_rounds
 from dsmatrix.builds import build_key, build_wheel, builder_dir, fetch_sdist, unpack_sdist
@@ -25,7 +28,7 @@ from dsmatrix.errors import DiskSpaceError, FatalError
 from dsmatrix.hosts import describe
 from dsmatrix.patches import PatchSet, apply_diff
 from dsmatrix.results import Run
-from dsmatrix.run import ENGINE_TESTS, outcome_dict, run_engine_tests
+from dsmatrix.run import ENGINE_TESTS, TestRun, outcome_dict, outcomes_from_junits, run_engine_tests
 from dsmatrix.verdict import ERROR, cell_verdict
 
 BUILDS = ("stock", "patched")
@@ -124,6 +127,40 @@ def prepare_builds(cell: Cell, patch: PatchSet, cache: Path) -> dict[str, Prepar
     return builds
 
 
+def stock_tests(
+    cell: Cell, build: PreparedBuild, runtime: dict[str, list[str]], cache: Path, raw: Path, reuse: bool
+) -> tuple[TestRun, str]:
+    """The stock build's engine-test run, reused from the cache when the same stock wheel already
+    ran the same engine tests over the same runtime axes (validating several patches runs stock
+    once); returns the run and the id of the run that produced it ("" when run now).
+
+    Under a lock per entry: a concurrent run waits for the stock tests instead of repeating them.
+    """
+    key = {"cell": cell.values(), "runtime": runtime, "wheel": build.info.get("wheel_sha256", ""), "suite": engine_tests_digest()}
+    saved = cache / "stock-results" / cell.id / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    name = f"{cell.id}-stock"
+    with FileLock(f"{saved}.lock"):
+        if reuse and (saved / "run.json").is_file():
+            info = json.loads((saved / "run.json").read_text())
+            raw.mkdir(parents=True, exist_ok=True)
+            copied = [Path(shutil.copy2(saved / f, raw / f)) for f in info["files"]]
+            junits = tuple(p for p in copied if p.suffix == ".xml")
+            logs = tuple(p for p in copied if p.suffix == ".log")
+            return TestRun(outcomes_from_junits(junits), info["duration_s"], junits, logs), info["run_id"]
+        test_run = run_engine_tests(build.python, build.extensions, runtime, raw, name)
+        staging = Path(tempfile.mkdtemp(dir=saved.parent, prefix=f".{saved.name}-"))
+        files = [f.name for f in (*test_run.junits, *test_run.logs)]
+        for f in (*test_run.junits, *test_run.logs):
+            shutil.copy2(f, staging / f.name)
+        info = {"run_id": raw.parent.name, "duration_s": test_run.duration_s, "files": files}
+        (staging / "run.json").write_text(json.dumps(info, indent=2))
+        if saved.exists():
+            shutil.rmtree(saved)
+        os.replace(staging, saved)
+        return test_run, ""
+
+
 def run_benchmarks(
     builds: dict[str, PreparedBuild], runtime: Any, run: Run, cell: Cell, options: BenchOptions, emulated: bool
 ) -> dict[str, Any]:
@@ -153,9 +190,19 @@ def add_benchmarks(result: dict[str, Any], cell: Cell, selection: Selection, pat
 
 
 def run_cell(
-    cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run: Run, fingerprint: str, bench: BenchOptions | None = None
+    cell: Cell,
+    selection: Selection,
+    patch: PatchSet,
+    cache: Path,
+    run: Run,
+    fingerprint: str,
+    bench: BenchOptions | None = None,
+    reuse_stock: bool = True,
 ) -> dict[str, Any]:
-    """Build, install and test one cell; set-up and run failures become an ``error`` verdict."""
+    """Build, install and test one cell; set-up and run failures become an ``error`` verdict.
+
+    The stock build's test results are reused from the cache when nothing they depend on changed
+    (``reuse_stock``; ``--fresh`` turns it off)."""
     started = time.monotonic()
     result: dict[str, Any] = {
         "schema": 1,
@@ -174,7 +221,12 @@ def run_cell(
         setup_s = time.monotonic() - started
         runs = {}
         for build, b in builds.items():
-            runs[build] = run_engine_tests(b.python, b.extensions, selection.runtime, run.root / "raw", f"{cell.id}-{build}")
+            if build == "stock":
+                runs[build], reused_from = stock_tests(cell, b, selection.runtime, cache, run.root / "raw", reuse_stock)
+                if reused_from:
+                    result["builds"][build]["tests_reused_from"] = reused_from
+            else:
+                runs[build] = run_engine_tests(b.python, b.extensions, selection.runtime, run.root / "raw", f"{cell.id}-{build}")
             result["builds"][build].update(
                 junit=[str(path.relative_to(run.root)) for path in runs[build].junits],
                 logs=[str(path.relative_to(run.root)) for path in runs[build].logs],

@@ -22,7 +22,7 @@ from dsmatrix.bench import REGRESSION, STEP, kind_of, margin_certified_by
 from dsmatrix.errors import ConfigError
 from dsmatrix.plots import leak_plot, ratio_plot
 from dsmatrix.results import load_run, write_json
-from dsmatrix.verdict import ERROR, FIXED
+from dsmatrix.verdict import BEHAVIOUR, ERROR, FIXED
 
 REPORT_SCHEMA = "dsmatrix-qualification/1"
 SCHEMA_FILE = Path(__file__).parent / "schemas" / "qualification.schema.json"
@@ -77,19 +77,32 @@ def merge(sources: Sequence[Source]) -> tuple[list[dict[str, Any]], list[dict[st
     return cells, sorted(excluded.values(), key=lambda e: e["cell"]["id"])
 
 
-def _state(is_bug_test: bool, stock: str, patched: str) -> str:
-    """What one stock/patched pair says: ``fixed`` (bug seen on stock, gone on patched), ``ok``
-    (a control passing on both), ``broken`` (patched fails), ``unseen`` (a bug test passing on
+def _state(stock: dict[str, Any], patched: dict[str, Any]) -> str:
+    """What one stock/patched pair of a test's results says: ``fixed`` (bug seen on stock, gone on
+    patched), ``ok`` (a control or reference test passing on both, behaviour as stock), ``broken``
+    (patched fails), ``differs`` (patched gathers/releases differently from stock), ``harness``
+    (stock failed without observing the bug: not evidence), ``unseen`` (a bug test passing on
     stock), ``skipped``, ``absent``."""
-    if "absent" in (stock, patched):
+    s, p = stock.get("outcome", "absent"), patched.get("outcome", "absent")
+    if "absent" in (s, p):
         return "absent"
-    if patched in ("failed", "error"):
+    if p in ("failed", "error"):
         return "broken"
-    if "skipped" in (stock, patched):
+    if "skipped" in (s, p):
         return "skipped"
-    if not is_bug_test:
-        return "ok" if stock == "passed" else "broken"
-    return "fixed" if stock in ("failed", "error") else "unseen"
+    if not stock.get("bug"):
+        if s != "passed":
+            return "broken"
+        if stock.get("reference") and _behaviour(stock) != _behaviour(patched):
+            return "differs"
+        return "ok"
+    if s == "passed":
+        return "unseen"
+    return "fixed" if stock.get("bug_observed") is not None else "harness"
+
+
+def _behaviour(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.get("properties", {}).items() if k.split(".")[-1] == BEHAVIOUR}
 
 
 def _test_grid(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -104,8 +117,9 @@ def _test_grid(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         outcomes = {}
         for cell in cells:
             builds = cell.get("builds", {})
-            pair = {b: builds.get(b, {}).get("tests", {}).get(test_id, {}).get("outcome", "absent") for b in BUILDS}
-            outcomes[cell["cell"]["id"]] = {**pair, "state": _state(bool(bug), pair["stock"], pair["patched"])}
+            results = {b: builds.get(b, {}).get("tests", {}).get(test_id, {}) for b in BUILDS}
+            pair = {b: results[b].get("outcome", "absent") for b in BUILDS}
+            outcomes[cell["cell"]["id"]] = {**pair, "state": _state(results["stock"], results["patched"])}
         rows.append({"test": test_id, "bug": bug or "control", "outcomes": outcomes})
     return rows
 
@@ -155,6 +169,20 @@ def _by_build(cell: dict[str, Any], keep: Any, value: Any) -> dict[str, list[dic
     return {b: [{"test": t, "value": value(o)} for t, o in builds[b].get("tests", {}).items() if keep(o)] for b in BUILDS if b in builds}
 
 
+def _observations(result: dict[str, Any]) -> dict[str, Any]:
+    """A test's recorded figures; a recorded behaviour listing is summarised by its length."""
+    shown: dict[str, Any] = {}
+    if result.get("bug_observed") is not None:
+        shown["bug_observed"] = result["bug_observed"]
+    for key, value in result.get("properties", {}).items():
+        if key.split(".")[-1] == BEHAVIOUR:
+            steps = json.loads(value) if isinstance(value, str) else value
+            shown[key] = f"{sum(len(s) for s in steps)} gather/release events over {len(steps)} steps"
+        else:
+            shown[key] = value
+    return shown
+
+
 def _cell_entry(cell: dict[str, Any]) -> dict[str, Any]:
     c, builds = cell["cell"], cell.get("builds", {})
     return {
@@ -174,7 +202,7 @@ def _cell_entry(cell: dict[str, Any]) -> dict[str, Any]:
         "environment": _environment(cell),
         "reused_from": cell.get("reused_from"),
         "failures": _by_build(cell, lambda t: t.get("outcome") in ("failed", "error"), lambda t: t.get("message", "")),
-        "observations": _by_build(cell, lambda t: bool(t.get("properties")), lambda t: t.get("properties", {})),
+        "observations": _by_build(cell, lambda t: bool(t.get("properties") or t.get("bug_observed")), _observations),
         "junit": [f"junit/{cell['source']['run_id']}/{Path(p).name}" for b in BUILDS for p in builds.get(b, {}).get("junit", [])],
     }
 

@@ -180,6 +180,19 @@ def _run_ranks(
     return [(junit, log) for _, junit, log in procs]
 
 
+def outcomes_from_junits(junits: Sequence[Path]) -> dict[str, TestOutcome]:
+    """The merged outcomes (``@ws<N>`` ids) of JUnit files named ``<name>-ws<N>-rank<R>.xml``."""
+    by_size: dict[int, list[Path]] = {}
+    for junit in sorted(junits):
+        size = int(junit.stem.rsplit("-ws", 1)[1].split("-rank", 1)[0])
+        by_size.setdefault(size, []).append(junit)
+    outcomes: dict[str, TestOutcome] = {}
+    for size, files in sorted(by_size.items()):
+        merged = merge_ranks([read_junit(f) for f in files])
+        outcomes.update({f"{test_id}@ws{size}": outcome for test_id, outcome in merged.items()})
+    return outcomes
+
+
 SEVERITY = {"error": 3, "failed": 2, "passed": 1, "skipped": 0}
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import zero3
+from packaging.version import Version
 
 FLOW_A = [0, 1, 2, 3]
 # Layer 1 is used again after one other layer: within the reuse distance, so a correct trace
@@ -100,9 +101,18 @@ def test_module_order_change(dtype: str, checkpointing: str, record_property) ->
     _check_against_fresh(old, new, dtype, checkpointing, record_property, "a module-order change")
 
 
+# DeepSpeed 0.14.5 re-records a trace extended past its end without serving a stale decision in
+# this scenario (measured: the retraced engine releases as a fresh one on stock); the
+# module-order path shows the bug there.
+PAST_END_SHOWS_SINCE = Version("0.16")
+
+
 @pytest.mark.bug("retrace")
 def test_step_past_end_of_trace(dtype: str, checkpointing: str, record_property) -> None:
-    """Invalidated by a step that runs past the end of the recorded trace (a layer run after backward)."""
+    """Invalidated by a step that runs past the end of the recorded trace (a layer run again after
+    backward: a correct engine then keeps layer 1 resident after its backward)."""
+    if zero3.deepspeed_version() < PAST_END_SHOWS_SINCE:
+        pytest.skip(f"not applicable: DeepSpeed {zero3.deepspeed_version()} serves no stale decision on this path (measured)")
     old, new = [_step(FLOW_A, False)] * STEPS, [_step(FLOW_A, True)] * STEPS
     _check_against_fresh(old, new, dtype, checkpointing, record_property, "a step past the end of the trace")
 

@@ -50,7 +50,9 @@ def cell(ds: str, verdict: str, reasons: list[str], tests: dict | None = None, p
 
 
 def outcome(result: str, bug: str | None, message: str = "") -> dict:
-    return {"outcome": result, **({"bug": bug} if bug else {}), **({"message": message} if message else {})}
+    """A test's result in a cell JSON; a failing bug test observed its bug (figures recorded)."""
+    observed = {"bug_observed": {"gathers_retraced": 16, "gathers_fresh": 14}} if bug and result == "failed" else {}
+    return {"outcome": result, **({"bug": bug} if bug else {}), **({"message": message} if message else {}), **observed}
 
 
 def pair(stock_bug: str, patched_bug: str) -> dict:

@@ -48,7 +48,7 @@ def test_deepspeed_version_without_a_diff(tmp_path: Path) -> None:
 
 
 def test_patch_that_does_not_apply(tmp_path: Path) -> None:
-    candidate = FIXTURES / "panel" / "in-place-update" / "deepspeed-0.19.3-and-later.diff"  # written against 0.19.8
+    candidate = FIXTURES / "panel" / "no-clear-on-invalidation" / "deepspeed-0.19.3-and-later.diff"  # has the 0.19.3+ union hunk
     check_one_line_error(
         tmp_path,
         "--patch",

@@ -53,3 +53,39 @@ def test_rendezvous_ports_stay_below_the_ephemeral_range() -> None:
     low, _ = _ephemeral_ports()
     ports = {free_port() for _ in range(20)}
     assert all(1024 <= p < low for p in ports) and len(ports) > 1
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="test_retrace" name="test_a[fp32-ckpt-off]" time="0.5"><properties><property name="bug" value="retrace"/>
+<property name="bug_observed" value="{&quot;gathers_fresh&quot;: 14}"/></properties><failure message="Failed: differs"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_stock_results_are_run_once_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validating several patches runs the stock tests once; ``reuse=False`` (``--fresh``) runs them again."""
+    from dsmatrix import pipeline
+    from dsmatrix.run import TestRun
+
+    calls = []
+
+    def fake_run(python: Path, extensions: Path, runtime: dict, out: Path, name: str) -> TestRun:
+        out.mkdir(parents=True, exist_ok=True)
+        junit, log = out / f"{name}-ws1-rank0.xml", out / f"{name}-ws1-rank0.log"
+        junit.write_text(JUNIT)
+        log.write_text("log\n")
+        calls.append(out)
+        return TestRun(pipeline.outcomes_from_junits([junit]), 1.5, (junit,), (log,))
+
+    monkeypatch.setattr(pipeline, "run_engine_tests", fake_run)
+    cell = Cell("3.11", "2.13.0+cpu", "0.19.8")
+    build = pipeline.PreparedBuild(tmp_path / "python", tmp_path / "ext", "w.whl", {"wheel_sha256": "ab" * 32}, {}, [])
+    first, reused = pipeline.stock_tests(cell, build, dict(RUNTIME), tmp_path / "cache", tmp_path / "run1" / "raw", reuse=True)
+    assert reused == "" and len(calls) == 1
+    second, reused = pipeline.stock_tests(cell, build, dict(RUNTIME), tmp_path / "cache", tmp_path / "run2" / "raw", reuse=True)
+    assert reused == "run1" and len(calls) == 1
+    assert second.outcomes == first.outcomes and second.outcomes["test_retrace::test_a[fp32-ckpt-off]@ws1"].observed
+    assert all(p.parent == tmp_path / "run2" / "raw" and p.is_file() for p in (*second.junits, *second.logs))
+    pipeline.stock_tests(cell, build, dict(RUNTIME), tmp_path / "cache", tmp_path / "run3" / "raw", reuse=False)
+    other = pipeline.PreparedBuild(tmp_path / "python", tmp_path / "ext", "w.whl", {"wheel_sha256": "cd" * 32}, {}, [])
+    pipeline.stock_tests(cell, other, dict(RUNTIME), tmp_path / "cache", tmp_path / "run4" / "raw", reuse=True)
+    assert len(calls) == 3
