@@ -10,6 +10,7 @@ ever saw the new flow. Trace state is read through the coordinator's public
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -83,7 +84,7 @@ def _check_against_fresh(old: list, new: list, dtype: str, checkpointing: str, r
         "peak_numel_retraced": retraced.peak_numel,
         "peak_numel_fresh": fresh.peak_numel,
     }
-    record_property("figures", figures)
+    record_property("figures", json.dumps(figures, sort_keys=True))
     ours, theirs = retraced.lines(), fresh.lines()
     if ours != theirs:
         zero3.bug_observed(
