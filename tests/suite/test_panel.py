@@ -1,11 +1,10 @@
 """The candidate-fix panel (``tests/fixtures/panel/``): correct fixes shaped differently from the
 bundled one come out ``fixed``; incomplete ones ``not-fixed``, naming the test that caught them.
 
-Every candidate runs on DeepSpeed 0.19.8 (one cell, fp32 with checkpointing: every bug and every
-reference test applies there); on 0.19.2 and 0.14.5 the releases its manifest lists in
-``tested_on`` (the candidates whose shape meets what differs there: no recompute path, the
-module id named ``id``, AccumulateGrad retainers, no ``unwrap_model_for_generation``), which keeps
-CI within its hour. ``DSMATRIX_PANEL=all`` runs every candidate on every release it has a diff for.
+Each candidate runs (one cell, fp32 with checkpointing: every bug and every reference test
+applies there) on the releases its manifest lists in ``tested_on``: every test that can catch a
+candidate and both kinds of candidate on 0.19.8, 0.19.2 and 0.14.5, within CI's hour.
+``DSMATRIX_PANEL=all`` runs every candidate on every release it has a diff for.
 Marked ``panel`` (and ``e2e``): each candidate builds and tests a patched DeepSpeed.
 """
 
