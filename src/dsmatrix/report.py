@@ -22,7 +22,7 @@ from dsmatrix.bench import REGRESSION, STEP, kind_of, margin_certified_by
 from dsmatrix.errors import ConfigError
 from dsmatrix.plots import leak_plot, ratio_plot
 from dsmatrix.results import load_run, write_json
-from dsmatrix.verdict import BEHAVIOUR, ERROR, FIXED
+from dsmatrix.verdict import ERROR, FIXED, is_behaviour
 
 REPORT_SCHEMA = "dsmatrix-qualification/1"
 SCHEMA_FILE = Path(__file__).parent / "schemas" / "qualification.schema.json"
@@ -102,7 +102,7 @@ def _state(stock: dict[str, Any], patched: dict[str, Any]) -> str:
 
 
 def _behaviour(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in result.get("properties", {}).items() if k.split(".")[-1] == BEHAVIOUR}
+    return {k: v for k, v in result.get("properties", {}).items() if is_behaviour(k)}
 
 
 def _test_grid(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -175,7 +175,7 @@ def _observations(result: dict[str, Any]) -> dict[str, Any]:
     if result.get("bug_observed") is not None:
         shown["bug_observed"] = result["bug_observed"]
     for key, value in result.get("properties", {}).items():
-        if key.split(".")[-1] == BEHAVIOUR:
+        if is_behaviour(key):
             steps = json.loads(value) if isinstance(value, str) else value
             shown[key] = f"{sum(len(s) for s in steps)} gather/release events over {len(steps)} steps"
         else:

@@ -33,9 +33,15 @@ class Verdict:
     reasons: tuple[str, ...]
 
 
+def is_behaviour(key: str) -> bool:
+    """Whether a test property (``behaviour``, or ``rank<N>.behaviour`` merged over ranks) is a
+    recorded behaviour listing."""
+    return key.split(".")[-1] == BEHAVIOUR
+
+
 def behaviour_difference(stock: TestOutcome, patched: TestOutcome) -> str:
     """Empty when both builds recorded the same behaviour; else where they first differ."""
-    keys = sorted(k for k in set(stock.properties) | set(patched.properties) if k.split(".")[-1] == BEHAVIOUR)
+    keys = sorted(k for k in set(stock.properties) | set(patched.properties) if is_behaviour(k))
     if not keys:
         return "no behaviour recorded"
     for key in keys:
