@@ -31,7 +31,7 @@ def matrix(session: nox.Session) -> None:
 def _cell_session(cell: Cell) -> None:
     def run_one_cell(session: nox.Session) -> None:
         session.install("-e", ".")
-        axes = ["--python", cell.python, "--torch", cell.torch, "--deepspeed", cell.deepspeed]
+        axes = ["--platform", cell.platform, "--python", cell.python, "--torch", cell.torch, "--deepspeed", cell.deepspeed]
         session.run("python", "-m", "dsmatrix", "matrix", "--tier", "release", *axes, *session.posargs)
 
     run_one_cell.__doc__ = f"one cell, every runtime axis (release tier): {cell.id}"

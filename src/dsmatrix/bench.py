@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from dsmatrix.errors import RunError
+from dsmatrix.locations import suite_path
 from dsmatrix.run import free_port, remove_shm_buffers, test_environment
 
-BENCH = Path(__file__).resolve().parents[2] / "tests" / "bench"
+BENCH = suite_path("bench")
 NO_REGRESSION, REGRESSION, INCONCLUSIVE, NOT_MEASURED = "no-regression", "regression", "inconclusive", "not-measured"
 DEFAULT_MARGIN = 0.02
 DEFAULT_ROUNDS = 15  # a multiple of 3: every build takes every turn position equally often

@@ -35,14 +35,13 @@ from dsmatrix.images import (
     inside_view,
     run_in_image,
 )
+from dsmatrix.locations import default_matrix, default_patch, image_source_tree, project_root
 from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, load_matrix
 from dsmatrix.patches import PatchSet, load_patch_set
 from dsmatrix.pipeline import add_benchmarks, cache_size, check_disk, check_patch, engine_tests_digest, fingerprint, preflight, run_cell
 from dsmatrix.report import load_report, write_report
 from dsmatrix.results import Run, find_finished, import_cells, start_run
 from dsmatrix.verdict import ERROR, exit_code
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def default_cache() -> Path:
@@ -54,12 +53,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", required=True)
     matrix = sub.add_parser("matrix", help="run the selected cells, stock vs patched")
-    matrix.add_argument("--matrix", type=Path, default=REPO / "matrix" / "matrix.toml", help="matrix file")
+    matrix.add_argument("--root", type=Path, help="project root: its matrix/matrix.toml and patches/ (default: found from here upwards)")
+    matrix.add_argument("--matrix", type=Path, help="matrix file (default: the project's, else the bundled one)")
     matrix.add_argument("--tier", default="default")
     for axis in ("platform",) + CELL_AXES + RUNTIME_AXES:
         flag = f"--{axis.replace('_', '-')}"
         matrix.add_argument(flag, dest=axis, action="append", metavar="VALUE", help=f"select {axis} value(s) (repeat or comma-separate)")
-    matrix.add_argument("--patch", type=Path, default=REPO / "patches" / "zero3-release-cache", help="manifest folder or a single diff")
+    matrix.add_argument("--patch", type=Path, help="manifest folder or a single diff (default: the project's fix, else the bundled one)")
     matrix.add_argument("--results", type=Path, default=Path("results"))
     matrix.add_argument("--cache-dir", type=Path, default=default_cache())
     matrix.add_argument("--plan", action="store_true", help="print the selected cells (and excluded ones) and exit")
@@ -97,8 +97,8 @@ def _wanted(args: argparse.Namespace) -> dict[str, list[str] | None]:
 
 
 def _selection_argv(args: argparse.Namespace) -> list[str]:
-    """The matrix arguments a host hands on to its image (everything but where results and caches go)."""
-    argv = ["--tier", args.tier, "--patch", str(Path(args.patch).resolve().relative_to(REPO))]
+    """The matrix arguments a host hands on to its image (everything but where inputs, results and caches go)."""
+    argv = ["--tier", args.tier]
     bench = _bench_options(args)
     argv += (
         ["--bench", f"--rounds={bench.rounds}", f"--margin={bench.margin}", f"--leak-lifecycles={bench.lifecycles}"]
@@ -147,6 +147,9 @@ def _host_of(cell: Cell, args: argparse.Namespace) -> str:
 
 def command_matrix(args: argparse.Namespace) -> int:
     args.results = args.results.resolve()
+    args.root = project_root(args.root)
+    args.matrix = (args.matrix or default_matrix(args.root)).resolve()
+    args.patch = (args.patch or default_patch(args.root)).resolve()
     matrix = load_matrix(args.matrix)
     platforms = _split(args.platform) or [native_platform()]
     selection = plan_cells(matrix, matrix.tier(args.tier), _wanted(args), platforms)
@@ -292,7 +295,8 @@ def _run_image_cells(
         return {**result, **facts, "fingerprint": prints[cell], "container_wall_s": round(time.monotonic() - started, 1)}
 
     try:
-        code, last = run_in_image(client, spec, argv, staging, args.cache_dir)
+        source = image_source_tree(args.root)
+        code, last = run_in_image(client, spec, argv, staging, args.cache_dir, source, args.matrix, args.patch)
     finally:
         import_cells(staging, run, finish, seen_as=Path("/results"))
         shutil.rmtree(staging, ignore_errors=True)

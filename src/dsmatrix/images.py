@@ -29,9 +29,9 @@ from typing import Any
 
 from dsmatrix.errors import ConfigError, DockerUnavailable, EmulationUnavailable, ImageBuildError
 from dsmatrix.hosts import native_platform
+from dsmatrix.locations import suite_path
 
-REPO = Path(__file__).resolve().parents[2]
-CONTAINERS = REPO / "containers"
+PACKAGE = Path(__file__).resolve().parent
 SUITE = "bookworm"  # Debian release of the local base; Raspberry Pi OS is bookworm too
 BASE_PACKAGES = ("python3", "python3-dev", "python3-venv", "python3-pip", "g++", "make", "patch", "ca-certificates", "procps")
 QEMU_PACKAGE = "qemu-user-static"
@@ -54,7 +54,7 @@ class ImageSpec:
 
     @property
     def dockerfile_dir(self) -> Path:
-        return CONTAINERS / self.name
+        return suite_path("containers") / self.name
 
     @property
     def tag(self) -> str:
@@ -315,12 +315,15 @@ def _local_source_dirs(config: dict[str, str]) -> list[Path]:
     return dirs
 
 
-def run_in_image(client: Any, spec: ImageSpec, argv: list[str], staging: Path, cache: Path) -> tuple[int, str]:
-    """Run ``nox -s matrix -- argv`` inside ``spec``'s image, results into ``staging``.
+def run_in_image(
+    client: Any, spec: ImageSpec, argv: list[str], staging: Path, cache: Path, source: Path, matrix: Path, patch: Path
+) -> tuple[int, str]:
+    """Run ``nox -s matrix -- argv`` inside ``spec``'s image from the suite's ``source`` tree, with
+    this run's ``matrix`` file and ``patch``, results into ``staging``.
 
-    The repository, a per-image cache volume, this machine's CA bundle and its pip package
-    sources are mounted; the container's output streams here. Returns the exit code and the
-    last line it printed. Ctrl-C stops the container.
+    The source tree, the matrix file and the patch, a per-image cache volume, this machine's CA
+    bundle and its pip package sources are mounted; the container's output streams here. Returns
+    the exit code and the last line it printed. Ctrl-C stops the container.
     """
     from dsmatrix.environments import pip_config
 
@@ -328,7 +331,10 @@ def run_in_image(client: Any, spec: ImageSpec, argv: list[str], staging: Path, c
     cache_volume = cache / "images" / spec.name
     cache_volume.mkdir(parents=True, exist_ok=True)
     staging.mkdir(parents=True, exist_ok=True)
-    volumes = {str(REPO): {"bind": "/src", "mode": "rw"}, str(staging): {"bind": "/results", "mode": "rw"}}
+    volumes = {str(source): {"bind": "/src", "mode": "rw"}, str(staging): {"bind": "/results", "mode": "rw"}}
+    volumes[str(matrix)] = {"bind": "/inputs/matrix.toml", "mode": "ro"}
+    volumes[str(patch)] = {"bind": f"/inputs/patch/{patch.name}", "mode": "ro"}
+    argv = [*argv, "--matrix", "/inputs/matrix.toml", "--patch", f"/inputs/patch/{patch.name}"]
     volumes[str(cache_volume)] = {"bind": "/cache", "mode": "rw"}
     for path in _local_source_dirs(config):
         volumes[str(path)] = {"bind": str(path), "mode": "ro"}
@@ -370,13 +376,13 @@ def run_in_image(client: Any, spec: ImageSpec, argv: list[str], staging: Path, c
 
 def inside_view(client: Any, spec: ImageSpec) -> dict[str, Any]:
     """What a cell in ``spec``'s image will see: ``hosts.describe()`` run inside it (stdlib only)."""
-    code = "import json, sys; sys.path.insert(0, '/src/src'); from dsmatrix.hosts import describe; print(json.dumps(describe()))"
+    code = "import json, sys; sys.path.insert(0, '/pkg'); from dsmatrix.hosts import describe; print(json.dumps(describe()))"
     output = client.containers.run(
         spec.tag,
         ["python3", "-c", code],
         remove=True,
         network_mode="none",
         environment=dict(spec.environment),
-        volumes={str(REPO): {"bind": "/src", "mode": "ro"}},
+        volumes={str(PACKAGE): {"bind": "/pkg/dsmatrix", "mode": "ro"}},
     )
     return json.loads(output.decode().strip().splitlines()[-1])

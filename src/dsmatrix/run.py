@@ -21,8 +21,9 @@ from pathlib import Path
 from junitparser import Error, Failure, JUnitXml, Properties, Skipped
 
 from dsmatrix.errors import RunError
+from dsmatrix.locations import suite_path
 
-ENGINE_TESTS = Path(__file__).resolve().parents[2] / "tests" / "engine"
+ENGINE_TESTS = suite_path("engine")
 PYTEST_OK = (0, 1)  # all passed / some failed: both are results
 
 
