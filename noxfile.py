@@ -28,11 +28,16 @@ def matrix(session: nox.Session) -> None:
     session.run("python", "-m", "dsmatrix", "matrix", *session.posargs)
 
 
+def cell_argv(cell: Cell) -> list[str]:
+    """The ``dsmatrix matrix`` arguments of one cell's session: its platform and versions, release tier."""
+    axes = ["--platform", cell.platform, "--python", cell.python, "--torch", cell.torch, "--deepspeed", cell.deepspeed]
+    return ["matrix", "--tier", "release", *axes]
+
+
 def _cell_session(cell: Cell) -> None:
     def run_one_cell(session: nox.Session) -> None:
         session.install("-e", ".")
-        axes = ["--platform", cell.platform, "--python", cell.python, "--torch", cell.torch, "--deepspeed", cell.deepspeed]
-        session.run("python", "-m", "dsmatrix", "matrix", "--tier", "release", *axes, *session.posargs)
+        session.run("python", "-m", "dsmatrix", *cell_argv(cell), *session.posargs)
 
     run_one_cell.__doc__ = f"one cell, every runtime axis (release tier): {cell.id}"
     nox.session(python=DRIVER_PYTHON, name=cell.label, default=False)(run_one_cell)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import runpy
 
 import pytest
 from conftest import REPO, run_cli
@@ -44,3 +45,17 @@ def test_the_self_hosted_pi_never_runs_for_pull_requests() -> None:
     triggers = matrix.split("\non:", 1)[1].split("\npermissions:", 1)[0]
     assert "pull_request" not in triggers and "schedule:" in triggers and "workflow_dispatch:" in triggers
     assert "rpi5" not in (WORKFLOWS / "pr.yml").read_text()
+
+
+def test_nox_cell_sessions_run_their_own_platform() -> None:
+    """Every `nox -s "matrix(..., arm64)"` session plans its own arm64 cell, not the amd64 one."""
+    noxfile = runpy.run_path(str(REPO / "noxfile.py"))
+    cells = noxfile["all_cells"](noxfile["MATRIX"])
+    for cell in cells:
+        argv = noxfile["cell_argv"](cell)
+        assert argv[argv.index("--platform") + 1] == cell.platform, cell.label
+    arm = next(c for c in cells if c.platform == "linux/arm64")
+    proc = run_cli(*noxfile["cell_argv"](arm), "--plan", "--json", cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (planned,) = json.loads(proc.stdout)["include"]
+    assert (planned["id"], planned["platform"]) == (arm.id, "linux/arm64")
