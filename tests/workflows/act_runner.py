@@ -23,6 +23,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsmatrix.environments import find_interpreter
+from dsmatrix.errors import InterpreterNotFound
+
 REPO = Path(__file__).resolve().parents[2]
 STAND_INS = Path(__file__).resolve().parent / "stand-ins"
 PINNED = {"actions/checkout@v5": "checkout@v5", "actions/setup-python@v6": "setup-python@v6", "actions/cache@v5": "cache@v5"}
@@ -33,12 +36,17 @@ PYTHONS = ("3.10", "3.11", "3.12", "3.13")
 
 
 def github_actions_dir() -> Path:
-    """The local copies of GitHub's own actions (their README says how they were obtained)."""
-    folder = Path(os.environ.get("DSMATRIX_GITHUB_ACTIONS", REPO.parent / "shared" / "github-actions")).resolve()
-    missing = [name for name in PINNED.values() if not (folder / name / "action.yml").is_file()]
-    if missing:
-        raise FileNotFoundError(f"{folder}: no local copy of {', '.join(missing)} (set DSMATRIX_GITHUB_ACTIONS)")
-    return folder
+    """The local copies of GitHub's own actions (their README says how they were obtained):
+    $DSMATRIX_GITHUB_ACTIONS, else ``shared/github-actions`` beside the checkout or in /work."""
+    if "DSMATRIX_GITHUB_ACTIONS" in os.environ:
+        candidates = [Path(os.environ["DSMATRIX_GITHUB_ACTIONS"])]
+    else:
+        candidates = [REPO.parent / "shared" / "github-actions", Path("/work/shared/github-actions")]
+    for folder in candidates:
+        if all((folder / name / "action.yml").is_file() for name in PINNED.values()):
+            return folder.resolve()
+    wanted = ", ".join(PINNED.values())
+    raise FileNotFoundError(f"{' or '.join(map(str, candidates))}: no local copies of {wanted} (set DSMATRIX_GITHUB_ACTIONS)")
 
 
 def act_binary() -> str:
@@ -49,9 +57,10 @@ def act_binary() -> str:
 
 
 def _base_interpreter(version: str) -> tuple[Path, str] | None:
-    """This machine's CPython ``version`` (its real executable, not a shim) and its full version."""
-    exe = shutil.which(f"python{version}")
-    if exe is None:
+    """This machine's CPython ``version`` as the suite finds it (its real executable, not a shim) and its full version."""
+    try:
+        exe = find_interpreter(version)
+    except InterpreterNotFound:
         return None
     probe = subprocess.run(
         [exe, "-c", "import sys, platform; print(sys.base_prefix); print(platform.python_version())"], capture_output=True, text=True
@@ -102,7 +111,7 @@ class ActResult:
         """``job -> succeeded|failed`` as act reported each job (matrix jobs by their name)."""
         found = {}
         for job, outcome in re.findall(r"^\[([^\]]+)\]\s+🏁\s+Job (succeeded|failed)", self.text(), re.M):
-            found[job.split("/", 1)[-1]] = outcome
+            found[job.split("/", 1)[-1].strip()] = outcome
         return found
 
 

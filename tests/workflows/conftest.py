@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,13 +25,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.fixture(scope="session")
-def act(request: pytest.FixtureRequest) -> Act:
+def act(request: pytest.FixtureRequest) -> Iterator[Act]:
     out = request.config.getoption("--act-out").resolve()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     seeded = seed_tool_cache()
     print(f"act tool cache: {', '.join(f'{v} -> {full}' for v, full in seeded.items())}")
-    return Act(out)
+    yield Act(out)
+    shutil.rmtree(out / "actcache", ignore_errors=True)  # act's cache server: GBs of uv cache, of no use afterwards
 
 
 @pytest.fixture(scope="session")
