@@ -66,10 +66,10 @@ def test_report_job_leaves_the_qualification_report(matrix_run: ActResult, act: 
 
 @pytest.mark.parametrize("job", ["lint", "tests", "pr-tier"])
 def test_pr_workflow_job(act: Act, job: str, skipped_jobs: set[str]) -> None:
-    """pr.yml's jobs; pr-tier runs the default tier here (repository variable PR_TIER=default)."""
+    """pr.yml's jobs; pr-tier runs the one-cell smoke tier here (repository variable PR_TIER=smoke), for CI time."""
     if f"pr.yml:{job}" in skipped_jobs:
         pytest.skip(f"pr.yml:{job} skipped by --skip-job")
-    variables = ("PR_TIER=default",) if job == "pr-tier" else ()
+    variables = ("PR_TIER=smoke",) if job == "pr-tier" else ()
     result = act.run("pr.yml", "pull_request", job=job, variables=variables)
     assert result.returncode == 0, f"act exited {result.returncode} ({result.log}):\n{result.tail()}"
     assert result.job_results() == {job: "succeeded"}
