@@ -23,3 +23,24 @@ def run_cli(*args: str, cwd: Path, timeout: float = 3600) -> subprocess.Complete
     """Run ``python -m dsmatrix`` as a user would (fresh process, real arguments)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "dsmatrix", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def run_outside(command: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run a command as a user's shell would, without this test process's virtual environment."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**env, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tool as a user installs it: the wheel built from this checkout in a fresh venv; returns its bin folder."""
+    root = tmp_path_factory.mktemp("installed")
+    command = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", str(REPO), "-w", str(root / "dist")]
+    built = run_outside(command, cwd=root, timeout=600)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (root / "dist").glob("dsmatrix-*.whl")
+    venv = root / "venv"
+    assert run_outside([sys.executable, "-m", "venv", str(venv)], cwd=root).returncode == 0
+    install = run_outside([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", str(wheel)], cwd=root, timeout=900)
+    assert install.returncode == 0, install.stderr
+    return venv / "bin"

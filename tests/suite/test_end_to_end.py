@@ -1,5 +1,6 @@
-"""One real cell (DeepSpeed 0.19.8): the bundled fix comes out ``fixed`` with every bug seen on
-stock, and candidate patches that fix only some of the three bugs come out ``not-fixed``."""
+"""Real cells on DeepSpeed 0.19.8 (and 0.19.2): the bundled fix comes out ``fixed`` with every bug
+seen on stock, run by the tool installed as a wheel outside the checkout; two ranks; an
+interrupted run keeps its finished cells."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_outside
 
 pytestmark = pytest.mark.e2e
 CELL = "py3.11-torch2.13.0+cpu-ds0.19.8"
@@ -17,8 +18,10 @@ def cell_result(results: Path) -> dict:
     return json.loads((results / "latest" / "cells" / f"{CELL}.json").read_text())
 
 
-def test_bundled_fix_is_fixed_with_every_bug_seen_on_stock(tmp_path: Path) -> None:
-    proc = run_cli("matrix", "--deepspeed", "0.19.8", "--results", str(tmp_path / "results"), cwd=tmp_path)
+def test_bundled_fix_is_fixed_with_every_bug_seen_on_stock(installed: Path, tmp_path: Path) -> None:
+    """The installed tool, from a folder outside the checkout: its bundled matrix, fix and engine tests."""
+    command = [str(installed / "dsmatrix"), "matrix", "--deepspeed", "0.19.8", "--results", str(tmp_path / "results")]
+    proc = run_outside(command, cwd=tmp_path, timeout=3600)
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = cell_result(tmp_path / "results")
@@ -43,11 +46,12 @@ def test_bundled_fix_is_fixed_with_every_bug_seen_on_stock(tmp_path: Path) -> No
     assert all(stock[t]["properties"]["behaviour"] == patched[t]["properties"]["behaviour"] for t in references)
     assert result["builds"]["patched"]["installed"]["deepspeed"].startswith("0.19.8+patched.")
     assert result["builds"]["patched"]["build_info"]["patch_sha256"] == result["patch"]["sha256"]
+    assert result["patch"]["source"].startswith(str(installed.parent)), "the fix must come from the installed package"
     assert "set-up" in proc.stdout and "tests" in proc.stdout
     summary = json.loads((tmp_path / "results" / "latest" / "summary.json").read_text())
     assert summary["status"] == "complete" and summary["cells"][0]["verdict"] == "fixed"
     assert all((tmp_path / "results" / "latest" / junit).is_file() for junit in result["builds"]["stock"]["junit"])
-    again = run_cli("matrix", "--deepspeed", "0.19.8", "--results", str(tmp_path / "results"), cwd=tmp_path)
+    again = run_outside(command, cwd=tmp_path)
     assert again.returncode == 0 and "(1 already done)" in again.stdout and "running ..." not in again.stdout
 
 

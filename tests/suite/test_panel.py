@@ -3,7 +3,8 @@ bundled one come out ``fixed``; incomplete ones ``not-fixed``, naming the test t
 
 Each candidate runs (one cell, fp32 with checkpointing: every bug and every reference test
 applies there) on the releases its manifest lists in ``tested_on``: every test that can catch a
-candidate on 0.19.8, and both kinds of candidate on 0.19.8 and on the oldest range (0.14.5).
+candidate on 0.19.8 beside a correct fix of another shape, and a correct fix on the oldest range
+(0.14.5).
 ``DSMATRIX_PANEL=all`` runs every candidate on every release it has a diff for.
 Marked ``panel`` (and ``e2e``): each candidate builds and tests a patched DeepSpeed.
 """
@@ -36,15 +37,14 @@ def candidates() -> list:
 
 
 def test_panel_has_both_kinds_where_it_runs() -> None:
-    """Both kinds on the newest and the oldest range; every catching test has a candidate on 0.19.8."""
+    """Both kinds on 0.19.8, every catching test with a candidate there; a correct fix on 0.14.5."""
     manifests = [tomllib.loads(m.read_text()) for m in PANEL.glob("*/manifest.toml")]
     kinds = [m["expected"] for m in manifests]
     assert kinds.count("fixed") >= 4 and kinds.count("not-fixed") >= 8
     catching = {m["caught_by"].split("::")[0] for m in manifests if m["caught_by"]}
     assert catching == {m["caught_by"].split("::")[0] for m in manifests if "0.19.8" in m["tested_on"] and m["caught_by"]}
-    for release in ("0.19.8", "0.14.5"):
-        tested = {m["expected"] for m in manifests if release in m["tested_on"]}
-        assert tested == {"fixed", "not-fixed"}, release
+    assert {m["expected"] for m in manifests if "0.19.8" in m["tested_on"]} == {"fixed", "not-fixed"}
+    assert "fixed" in {m["expected"] for m in manifests if "0.14.5" in m["tested_on"]}
 
 
 @pytest.mark.parametrize(("candidate", "release", "manifest"), candidates())
