@@ -71,7 +71,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     matrix.add_argument(
         "--bench",
         action=argparse.BooleanOptionalAction,
-        help="step-time and leak benchmarks per cell (default: on in tiers above default); finished cells only get benchmarked",
+        help="step-time and leak benchmarks per cell (default: on, off in tiers default and smoke); finished cells only get benchmarked",
     )
     matrix.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="benchmark rounds (stock, patched, stock again)")
     matrix.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="regression margin of the decision rule (0.02 = 2%%)")
@@ -130,9 +130,13 @@ def print_plan(selection: Selection, as_json: bool) -> None:
     print(f"{len(selection.cells)} cell(s), {len(selection.excluded)} excluded; runtime axes: {runtime}")
 
 
+# Tiers that check correctness only unless --bench is given; every other tier benchmarks by default.
+QUICK_TIERS = ("default", "smoke")
+
+
 def _bench_options(args: argparse.Namespace) -> BenchOptions | None:
-    """Benchmarks run when asked for, and by default in every tier above ``default``."""
-    wanted = args.bench if args.bench is not None else args.tier != "default"
+    """Benchmarks run when asked for, and by default in every tier but the quick ones."""
+    wanted = args.bench if args.bench is not None else args.tier not in QUICK_TIERS
     if args.rounds < 3:
         raise ConfigError(f"--rounds {args.rounds}: the bootstrap interval needs at least 3 rounds")
     return BenchOptions(args.rounds, args.margin, args.leak_lifecycles) if wanted else None

@@ -207,3 +207,13 @@ def test_bundled_arm64_cells_are_the_light_cpu_builds(repo: Path) -> None:
     release = plan_cells(matrix, matrix.tier("release"), {}, ["linux/arm64"])
     assert {(c.python, c.torch) for c in release.cells} == {("3.11", "2.4.1"), ("3.11", "2.9.1")}
     assert {c.platform for c in release.cells} == {"linux/arm64"}
+
+
+@pytest.mark.parametrize(
+    ("tier", "benchmarked"), [("default", False), ("smoke", False), ("pr", True), ("nightly", True), ("release", True)]
+)
+def test_only_the_quick_tiers_skip_benchmarks_by_default(tier: str, benchmarked: bool) -> None:
+    from dsmatrix.cli import _bench_options, parse_args
+
+    assert (_bench_options(parse_args(["matrix", "--tier", tier])) is not None) == benchmarked
+    assert _bench_options(parse_args(["matrix", "--tier", tier, "--bench"])) is not None
