@@ -1,4 +1,4 @@
-"""Benchmarks: step time stock vs patched with a stated decision rule, and the leak benchmark.
+"""Benchmarks: step time stock vs patched, rounds until a sequential rule decides, and the leak benchmark.
 
 Stock and patched live in different environments, so they are measured in different processes.
 Each round starts three at once, stock, patched and stock again, pinned to one CPU, and lets
@@ -9,15 +9,19 @@ CPU time with one intra-op thread (``STABLE_PROCESS``, ``TIMER``), runs
 ``tests/bench/bench_step.py`` under pytest-benchmark and saves its JSON; one process gives one
 median per benchmark.
 
-**Decision rule.** Per round, the ratio patched / stock of the two processes' medians; over
-rounds, the geometric mean with a 95% bootstrap interval (``scipy.stats.bootstrap``).
-``no-regression`` when the interval's upper bound is <= 1 + margin (default 2%),
-``regression`` when its lower bound is > 1 + margin, otherwise ``inconclusive``, with an
-estimate of the rounds that would decide it (the half-width shrinks as 1/sqrt(rounds)). A cell
-is judged on its training-step benchmarks; the release-path micro-benchmark is reported beside
-them. The A/A calibration (stock vs stock again, same rounds) must come out ``no-regression``;
-its upper bounds give the smallest margin this machine certifies with that many rounds.
-Timings taken under emulation are never judged.
+**Decision rule (sequential).** Per round, the log of the ratio patched / stock of the two
+processes' medians. After every third round (each build has then taken each turn position
+equally often) the rule looks at an anytime-valid 95% confidence sequence for the mean log
+ratio: the t confidence sequence of Lindon et al. (2024), from ``savvi``, intersected over the
+rounds so far. Its coverage holds however many times it is looked at, so stopping as soon as it
+decides keeps the stated error rate (5% per comparison). ``no-regression`` when the upper bound
+of the ratio is <= 1 + margin (default 2%), ``regression`` when the lower bound is > 1 + margin,
+otherwise ``inconclusive``. Rounds go on until every step comparison and its A/A calibration
+(stock vs stock again, same rounds, must come out ``no-regression``) is decided, or the round
+cap or the time budget is reached. Timings taken under emulation are never judged.
+
+The cell's throughput verdict combines this with executed instructions (``dsmatrix.instructions``):
+see ``cell_throughput``.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ from dsmatrix.run import free_port, remove_shm_buffers, test_environment
 BENCH = suite_path("bench")
 NO_REGRESSION, REGRESSION, INCONCLUSIVE, NOT_MEASURED = "no-regression", "regression", "inconclusive", "not-measured"
 DEFAULT_MARGIN = 0.02
-DEFAULT_ROUNDS = 15  # a multiple of 3: every build takes every turn position equally often
+DEFAULT_MAX_ROUNDS = 45  # a multiple of 3: every build takes every turn position equally often
+DEFAULT_MINUTES = 9.0  # time budget of the step-time rounds of one cell
+LOOK_EVERY = 3
 STEPS = 50  # timed training steps per process
 # CPU time of the benchmark process, not wall time: on a shared VM (this machine is one) wall time
 # carries other tenants' steal time and scheduling, which made stock-vs-stock (A/A) rounds differ
@@ -57,18 +63,26 @@ STABLE_PROCESS = {
 }
 CONFIDENCE = 0.95
 RULE = (
-    "per round, patched/stock of the two processes' median step times (their steps interleaved one by one); "
-    "over rounds, the geometric mean with a {confidence:.0%} bootstrap interval: no-regression if the upper bound "
-    "<= {limit:g}, regression if the lower bound > {limit:g}, else inconclusive; judged on the training step"
+    "per round, log(patched/stock) of the two processes' median step times (their steps interleaved one by one); "
+    "after every third round, an anytime-valid {confidence:.0%} confidence sequence for the ratio (Lindon et al. t "
+    "confidence sequence, savvi): no-regression if its upper bound <= {limit:g}, regression if its lower bound > {limit:g}, "
+    "else inconclusive; rounds go on until every step comparison and its A/A calibration is decided, or the cap"
+)
+HEADLINE_RULE = (
+    "a cell's throughput is decided on the training step by executed instructions where valgrind counts them "
+    "(deterministic: margin {instructions:.1%}, A/A within {tolerance:.1%}), else by step time (margin {time:.0%}, "
+    "A/A calibration no-regression); a regression decided by either metric fails the cell"
 )
 
 
 @dataclass(frozen=True)
 class BenchOptions:
-    """How much to measure: interleaved rounds, the regression margin, leak lifecycles."""
+    """How much to measure: the step-time rounds' cap and time budget, both margins, leak lifecycles."""
 
-    rounds: int = DEFAULT_ROUNDS
+    max_rounds: int = DEFAULT_MAX_ROUNDS
+    minutes: float = DEFAULT_MINUTES
     margin: float = DEFAULT_MARGIN
+    instructions_margin: float = 0.005
     lifecycles: int = 20
 
 
@@ -94,7 +108,6 @@ class Comparison:
     verdict: str
     stock_s: float  # median over rounds of the per-process medians
     patched_s: float
-    rounds_to_decide: int | None = None
 
     @property
     def width(self) -> float:
@@ -104,64 +117,70 @@ class Comparison:
         return {**asdict(self), "width": self.width}
 
 
-def ratio_interval(stock: Sequence[float], patched: Sequence[float], seed: int = 0) -> tuple[float, float, float]:
-    """Geometric mean over rounds of the per-round ratio patched/stock, with its bootstrap interval.
+def ratio_interval(stock: Sequence[float], patched: Sequence[float]) -> tuple[float, float, float]:
+    """Geometric mean over rounds of the per-round ratio patched/stock, with its anytime-valid interval.
 
     ``stock[i]`` and ``patched[i]`` are the median step times of round ``i``'s two processes,
     whose steps ran interleaved; so each round's ratio is free of whatever the machine did
-    between rounds, and only the rounds' ratios are resampled.
+    between rounds. The interval is savvi's t confidence sequence for the mean log ratio (an
+    intercept-only anytime-valid linear model), intersected over all rounds so far.
     """
     import numpy as np
-    from scipy.stats import bootstrap
+    from savvi.linear_regression import LinearRegression
 
     logs = np.log(np.asarray(patched, dtype=float) / np.asarray(stock, dtype=float))
-    ratio = float(np.exp(logs.mean()))
-    if len(logs) < 3:
-        return ratio, -math.inf, math.inf
-    result = bootstrap(
-        (logs,),
-        np.mean,
-        vectorized=True,
-        confidence_level=CONFIDENCE,
-        n_resamples=9999,
-        method="percentile",
-        random_state=np.random.default_rng(seed),
-    )
-    low, high = result.confidence_interval
-    return ratio, float(np.exp(low)), float(np.exp(high))
+    sequence = LinearRegression(alpha=1 - CONFIDENCE, p=1)
+    with np.errstate(divide="ignore", invalid="ignore"):  # too few rounds yet: an infinite interval
+        for value in logs:
+            sequence.update(np.array([value, 1.0]))
+            sequence.infer()
+    low, high = (float(v) for v in sequence.conf_int[0])
+    return float(np.exp(logs.mean())), math.exp(low) if math.isfinite(low) else 0.0, math.exp(high) if math.isfinite(high) else math.inf
 
 
-def decide(ratio: float, low: float, high: float, margin: float, rounds: int) -> tuple[str, int | None]:
-    """The decision rule; for ``inconclusive``, roughly how many rounds in all would decide it."""
+def decide(low: float, high: float, margin: float) -> str:
+    """The decision rule on one interval."""
     limit = 1 + margin
     if high <= limit:
-        return NO_REGRESSION, None
+        return NO_REGRESSION
     if low > limit:
-        return REGRESSION, None
-    half = (high - low) / 2
-    distance = abs(limit - ratio)
-    if not math.isfinite(half) or distance == 0:
-        return INCONCLUSIVE, None
-    needed = max(rounds + 1, math.ceil(rounds * (half / distance) ** 2))
-    return INCONCLUSIVE, needed if needed <= 20 * rounds else None  # beyond that: the ratio sits at the margin
+        return REGRESSION
+    return INCONCLUSIVE
 
 
 def compare(name: str, stock: Sequence[float], patched: Sequence[float], margin: float = DEFAULT_MARGIN) -> Comparison:
     ratio, low, high = ratio_interval(stock, patched)
-    verdict, more = decide(ratio, low, high, margin, len(stock))
-    return Comparison(
-        name, kind_of(name), len(stock), ratio, low, high, margin, verdict, statistics.median(stock), statistics.median(patched), more
-    )
+    verdict = decide(low, high, margin)
+    medians = statistics.median(stock), statistics.median(patched)
+    return Comparison(name, kind_of(name), len(stock), ratio, low, high, margin, verdict, *medians)
 
 
 def throughput_verdict(comparisons: Sequence[Comparison]) -> str:
-    """A cell's throughput verdict: the worst over its step benchmarks (the release path is a
-    magnifier reported beside it, not a throughput figure)."""
+    """One metric's verdict for a cell: the worst over its step benchmarks."""
     verdicts = {c.verdict for c in comparisons if c.kind == STEP}
     for verdict in (REGRESSION, INCONCLUSIVE):
         if verdict in verdicts:
             return verdict
     return NO_REGRESSION if verdicts else NOT_MEASURED
+
+
+def cell_throughput(time_verdict: str, calibration_verdict: str, instructions: Mapping[str, Any] | None) -> tuple[str, str]:
+    """(verdict, decided by) of a cell's throughput, by ``HEADLINE_RULE``.
+
+    Instructions decide where they were counted with a passing calibration; step time decides
+    otherwise (its A/A calibration ``no-regression``). A regression decided by either metric
+    (its calibration passing) is a regression.
+    """
+    counted = instructions is not None and instructions.get("verdict") in (NO_REGRESSION, REGRESSION, INCONCLUSIVE)
+    instructions_ok = counted and instructions.get("calibration") == "pass"
+    time_ok = calibration_verdict == NO_REGRESSION
+    if (instructions_ok and instructions["verdict"] == REGRESSION) or (time_ok and time_verdict == REGRESSION):
+        return REGRESSION, "instructions" if instructions_ok and instructions["verdict"] == REGRESSION else "step time"
+    if counted:
+        return (instructions["verdict"] if instructions_ok else INCONCLUSIVE), "instructions"
+    if time_verdict == NOT_MEASURED:
+        return NOT_MEASURED, ""
+    return (time_verdict if time_ok else INCONCLUSIVE), "step time"
 
 
 def certifiable_margin(calibration: Sequence[Comparison]) -> float | None:
@@ -274,38 +293,61 @@ def _bench_round(
     return {taker.label: read_medians(taker.out) for taker in takers}
 
 
+def decided(comparisons: Sequence[Comparison]) -> bool:
+    return all(c.verdict != INCONCLUSIVE for c in comparisons if c.kind == STEP)
+
+
 def run_rounds(
     pythons: Mapping[str, Path],
     extensions: Mapping[str, Path],
     runtime: Mapping[str, Sequence[str]],
     out_dir: Path,
     name: str,
-    rounds: int = DEFAULT_ROUNDS,
-    margin: float = DEFAULT_MARGIN,
+    options: BenchOptions = BenchOptions(),
     timeout_s: float = 1800,
 ) -> dict[str, Any]:
-    """``rounds`` rounds of stock, patched and stock-again processes taking strict turns (the order
-    rotated from round to round); compare per benchmark."""
+    """Rounds of stock, patched and stock-again processes taking strict turns (the order rotated
+    from round to round) until the sequential rule decides every step comparison and its A/A
+    calibration, or ``options.max_rounds`` or ``options.minutes`` is reached."""
     out_dir.mkdir(parents=True, exist_ok=True)
     order = (("stock", "stock"), ("patched", "patched"), ("stock-again", "stock"))
     medians: dict[str, list[dict[str, float]]] = {label: [] for label, _ in order}
     started = time.monotonic()
-    for index in range(rounds):
+    budget_s = options.minutes * 60
+
+    def comparisons() -> tuple[list[Comparison], list[Comparison]]:
+        names = sorted(set.intersection(*(set(m) for label in medians for m in medians[label])))
+
+        def series(label: str, bench: str) -> list[float]:
+            return [m[bench] for m in medians[label]]
+
+        fix = [compare(b, series("stock", b), series("patched", b), options.margin) for b in names]
+        return fix, [compare(b, series("stock", b), series("stock-again", b), options.margin) for b in names]
+
+    stopped = f"round cap ({options.max_rounds})"
+    index = 0
+    while index < options.max_rounds:
+        round_started = time.monotonic()
         rotated = order[index % 3 :] + order[: index % 3]
         builds = [(label, pythons[build], extensions[build]) for label, build in rotated]
         for label, result in _bench_round(builds, runtime, out_dir, f"{name}-bench-r{index + 1}", timeout_s).items():
             medians[label].append(result)
-    names = sorted(set.intersection(*(set(m) for label in medians for m in medians[label])))
-
-    def series(label: str, bench: str) -> list[float]:
-        return [m[bench] for m in medians[label]]
-
-    fix = [compare(b, series("stock", b), series("patched", b), margin) for b in names]
-    calibration = [compare(b, series("stock", b), series("stock-again", b), margin) for b in names]
+        index += 1
+        if index % LOOK_EVERY == 0 and decided([c for pair in comparisons() for c in pair]):
+            stopped = "decided"
+            break
+        spent, last = time.monotonic() - started, time.monotonic() - round_started
+        if spent + last > budget_s and index < options.max_rounds:
+            stopped = f"time budget ({options.minutes:g} min)"
+            break
+    fix, calibration = comparisons()
     return {
-        "rounds": rounds,
-        "margin": margin,
-        "rule": RULE.format(confidence=CONFIDENCE, limit=1 + margin),
+        "rounds": index,
+        "max_rounds": options.max_rounds,
+        "minutes": options.minutes,
+        "stopped": stopped,
+        "margin": options.margin,
+        "rule": RULE.format(confidence=CONFIDENCE, limit=1 + options.margin),
         "comparisons": [c.as_dict() for c in fix],
         "calibration": [c.as_dict() for c in calibration],
         "verdict": throughput_verdict(fix),

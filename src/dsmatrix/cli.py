@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dsmatrix import __version__
-from dsmatrix.bench import DEFAULT_MARGIN, DEFAULT_ROUNDS, BenchOptions
+from dsmatrix.bench import DEFAULT_MARGIN, DEFAULT_MAX_ROUNDS, DEFAULT_MINUTES, REGRESSION, BenchOptions
 from dsmatrix.cells import Cell, Selection, plan_cells
 from dsmatrix.errors import ConfigError, FatalError
 from dsmatrix.hosts import native_platform
@@ -35,11 +35,12 @@ from dsmatrix.images import (
     inside_view,
     run_in_image,
 )
+from dsmatrix.instructions import DEFAULT_MARGIN as DEFAULT_INSTRUCTIONS_MARGIN
 from dsmatrix.locations import default_matrix, default_patch, image_source_tree, project_root
 from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, load_matrix
 from dsmatrix.patches import PatchSet, load_patch_set
 from dsmatrix.pipeline import add_benchmarks, cache_size, check_disk, check_patch, engine_tests_digest, fingerprint, preflight, run_cell
-from dsmatrix.report import load_report, write_report
+from dsmatrix.report import load_report, passes, write_report
 from dsmatrix.results import Run, find_finished, import_cells, start_run
 from dsmatrix.verdict import ERROR, exit_code
 
@@ -71,10 +72,23 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     matrix.add_argument(
         "--bench",
         action=argparse.BooleanOptionalAction,
-        help="step-time and leak benchmarks per cell (default: on, off in tiers default and smoke); finished cells only get benchmarked",
+        help="instruction-count, step-time and leak benchmarks per cell (default: on, off in tiers default and smoke); "
+        "finished cells only get benchmarked",
     )
-    matrix.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="benchmark rounds (stock, patched, stock again)")
-    matrix.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="regression margin of the decision rule (0.02 = 2%%)")
+    matrix.add_argument(
+        "--max-rounds",
+        type=int,
+        default=DEFAULT_MAX_ROUNDS,
+        help="cap on step-time rounds (stock, patched, stock again); stop once decided",
+    )
+    matrix.add_argument("--bench-minutes", type=float, default=DEFAULT_MINUTES, help="time budget of one cell's step-time rounds")
+    matrix.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="step-time regression margin (0.02 = 2%%)")
+    matrix.add_argument(
+        "--instructions-margin",
+        type=float,
+        default=DEFAULT_INSTRUCTIONS_MARGIN,
+        help="executed-instructions regression margin (0.005: 0.5%%)",
+    )
     matrix.add_argument("--leak-lifecycles", type=int, default=20, help="engine lifecycles in the leak benchmark")
     images = sub.add_parser("images", help="build the container images (containers/*/Dockerfile)")
     images.add_argument("--platform", action="append", metavar="PLATFORM", help=f"one of {', '.join(IMAGES)} (default: both)")
@@ -85,6 +99,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "stores", nargs="*", type=Path, default=[Path("results")], help="results stores (their latest run) or run folders; default: results"
     )
     report.add_argument("--output", type=Path, default=Path("reports"))
+    report.add_argument(
+        "--require",
+        choices=("qualified", "correct"),
+        help="exit 1 unless the headline is QUALIFIED (qualified) or at least CORRECT, THROUGHPUT NOT SHOWN (correct)",
+    )
     return parser.parse_args(argv)
 
 
@@ -100,11 +119,11 @@ def _selection_argv(args: argparse.Namespace) -> list[str]:
     """The matrix arguments a host hands on to its image (everything but where inputs, results and caches go)."""
     argv = ["--tier", args.tier]
     bench = _bench_options(args)
-    argv += (
-        ["--bench", f"--rounds={bench.rounds}", f"--margin={bench.margin}", f"--leak-lifecycles={bench.lifecycles}"]
-        if bench
-        else ["--no-bench"]
-    )
+    if bench:
+        argv += ["--bench", f"--max-rounds={bench.max_rounds}", f"--bench-minutes={bench.minutes}", f"--margin={bench.margin}"]
+        argv += [f"--instructions-margin={bench.instructions_margin}", f"--leak-lifecycles={bench.lifecycles}"]
+    else:
+        argv += ["--no-bench"]
     for axis in RUNTIME_AXES:
         for value in _wanted(args)[axis] or ():
             argv += [f"--{axis.replace('_', '-')}", value]
@@ -137,9 +156,15 @@ QUICK_TIERS = ("default", "smoke")
 def _bench_options(args: argparse.Namespace) -> BenchOptions | None:
     """Benchmarks run when asked for, and by default in every tier but the quick ones."""
     wanted = args.bench if args.bench is not None else args.tier not in QUICK_TIERS
-    if args.rounds < 3:
-        raise ConfigError(f"--rounds {args.rounds}: the bootstrap interval needs at least 3 rounds")
-    return BenchOptions(args.rounds, args.margin, args.leak_lifecycles) if wanted else None
+    if args.max_rounds < 3:
+        raise ConfigError(f"--max-rounds {args.max_rounds}: the sequential rule needs at least 3 rounds")
+    positive = {"--bench-minutes": args.bench_minutes, "--margin": args.margin, "--instructions-margin": args.instructions_margin}
+    for flag, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{flag} {value}: must be positive")
+    if not wanted:
+        return None
+    return BenchOptions(args.max_rounds, args.bench_minutes, args.margin, args.instructions_margin, args.leak_lifecycles)
 
 
 def _host_of(cell: Cell, args: argparse.Namespace) -> str:
@@ -247,8 +272,11 @@ def _run_matrix(
         print(f"dsmatrix: interrupted; {len(verdicts)} finished cell(s) kept in {run.root}", file=sys.stderr)
         return 130
     run.write_summary("complete")
-    print(f"dsmatrix: {sum(v == 'fixed' for v in verdicts)}/{len(verdicts)} cell(s) fixed; summary: {run.root / 'summary.json'}")
-    return exit_code(verdicts)
+    throughput = [(c.get("benchmarks") or {}).get("verdict") for c in run.cells]
+    counted = {v: throughput.count(v) for v in dict.fromkeys(t for t in throughput if t)}
+    measured = "; throughput: " + ", ".join(f"{n} {v}" for v, n in counted.items()) if counted else ""
+    print(f"dsmatrix: {sum(v == 'fixed' for v in verdicts)}/{len(verdicts)} cell(s) fixed{measured}; summary: {run.root / 'summary.json'}")
+    return exit_code(verdicts) or (1 if REGRESSION in counted else 0)
 
 
 def _print_result(cell: Cell, result: dict[str, Any]) -> None:
@@ -265,7 +293,19 @@ def _print_benchmarks(result: dict[str, Any]) -> None:
     bench = result.get("benchmarks")
     if not bench:
         return
-    print(f"    throughput: {bench['verdict']}" + (f" ({bench['reason']})" if bench.get("reason") else ""))
+    decided_by = f" (decided by {bench['decided_by']})" if bench.get("decided_by") else ""
+    print(f"    throughput: {bench['verdict']}{decided_by}" + (f" ({bench['reason']})" if bench.get("reason") else ""))
+    counts = bench.get("instructions") or {}
+    if counts.get("comparisons"):
+        print(f"    instructions: {counts['verdict']}, A/A calibration {counts['calibration']} ({counts['duration_s']:.0f} s)")
+        for c in counts["comparisons"]:
+            print(f"      patched/stock {c['benchmark']}: {c['ratio']:.5f} (A/A {c['aa']:.5f}) {c['verdict']}")
+    elif counts:
+        print(f"    instructions: {counts['verdict']} ({counts.get('reason', '')})")
+    if "rounds" in bench:
+        minutes = bench.get("rounds_duration_s", 0) / 60
+        time_verdict = bench.get("time_verdict", bench["verdict"])
+        print(f"    step time: {time_verdict}, {bench['rounds']} rounds in {minutes:.1f} min, stopped: {bench.get('stopped', '')}")
     for label, key in (("patched/stock", "comparisons"), ("A/A stock/stock", "calibration")):
         for c in bench.get(key, []):
             print(f"      {label} {c['benchmark']}: {c['ratio']:.3f} [{c['low']:.3f}, {c['high']:.3f}] {c['verdict']}")
@@ -323,7 +363,10 @@ def command_report(args: argparse.Namespace) -> int:
     target = write_report(args.stores, args.output)
     print((target / "qualification.md").read_text())
     report = load_report(target)
-    print(f"dsmatrix: {report['verdict']}: {target}/qualification.{{md,html,json}}")
+    print(f"dsmatrix: {report['verdict']}: {report['verdict_summary']}; {target}/qualification.{{md,html,json}}")
+    if args.require and not passes(report["verdict"], args.require):
+        print(f"dsmatrix: --require {args.require}: the headline is {report['verdict']}", file=sys.stderr)
+        return 1
     return 0
 
 

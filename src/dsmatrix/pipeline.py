@@ -20,12 +20,13 @@ from typing import Any
 
 from filelock import FileLock
 
-from dsmatrix.bench import NOT_MEASURED, BenchOptions, run_leak, run_rounds
+from dsmatrix.bench import HEADLINE_RULE, NOT_MEASURED, BenchOptions, cell_throughput, run_leak, run_rounds
 from dsmatrix.builds import build_key, build_wheel, builder_dir, fetch_sdist, unpack_sdist
 from dsmatrix.cells import Cell, Selection
 from dsmatrix.environments import check_installable, ensure_environment, find_interpreter, pip_freeze, uv_executable
 from dsmatrix.errors import DiskSpaceError, FatalError
 from dsmatrix.hosts import describe
+from dsmatrix.instructions import CALIBRATION_TOLERANCE, run_counts
 from dsmatrix.patches import PatchSet, apply_diff
 from dsmatrix.results import Run
 from dsmatrix.run import ENGINE_TESTS, TestRun, outcome_dict, outcomes_from_junits, run_engine_tests
@@ -164,20 +165,37 @@ def stock_tests(
 def run_benchmarks(
     builds: dict[str, PreparedBuild], runtime: Any, run: Run, cell: Cell, options: BenchOptions, emulated: bool
 ) -> dict[str, Any]:
-    """Step-time rounds and the leak lines for one cell; never judged under emulation."""
+    """Executed instructions, step-time rounds and the leak lines for one cell, and the cell's
+    throughput verdict (``HEADLINE_RULE``); never judged under emulation."""
     if emulated:
         return {"verdict": f"{NOT_MEASURED} (emulated)", "reason": "timings under qemu-user say nothing about native speed"}
     pythons = {b: builds[b].python for b in builds}
     extensions = {b: builds[b].extensions for b in builds}
     out = run.root / "bench"
+    out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     try:
-        step = run_rounds(pythons, extensions, runtime, out, cell.id, options.rounds, options.margin)
+        instructions = run_counts(pythons, extensions, runtime, out, cell.id, options.instructions_margin)
+        print(f"    instructions: {instructions['verdict']} ({instructions.get('duration_s', 0):.0f} s)", flush=True)
+        step = run_rounds(pythons, extensions, runtime, out, cell.id, options)
         leak = run_leak(pythons, extensions, out, cell.id, options.lifecycles)
     except FatalError as exc:  # the correctness verdict stands; the benchmarks say why they have none
         return {"verdict": "error", "reason": str(exc), "duration_s": round(time.monotonic() - started, 1)}
     step["files"] = [f"bench/{name}" for name in step["files"]]
-    return {**step, "leak": leak, "duration_s": round(time.monotonic() - started, 1)}
+    verdict, decided_by = cell_throughput(step["verdict"], step["calibration_verdict"], instructions)
+    return {
+        **step,
+        "time_verdict": step["verdict"],
+        "rounds_duration_s": step["duration_s"],
+        "verdict": verdict,
+        "decided_by": decided_by,
+        "headline_rule": HEADLINE_RULE.format(
+            instructions=options.instructions_margin, tolerance=CALIBRATION_TOLERANCE, time=options.margin
+        ),
+        "instructions": instructions,
+        "leak": leak,
+        "duration_s": round(time.monotonic() - started, 1),
+    }
 
 
 def add_benchmarks(result: dict[str, Any], cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run: Run, bench: BenchOptions):

@@ -18,7 +18,7 @@ from typing import Any
 
 import jinja2
 
-from dsmatrix.bench import REGRESSION, STEP, kind_of, margin_certified_by
+from dsmatrix.bench import NO_REGRESSION, REGRESSION, STEP, kind_of, margin_certified_by
 from dsmatrix.errors import ConfigError
 from dsmatrix.plots import leak_plot, ratio_plot
 from dsmatrix.results import load_run, write_json
@@ -26,7 +26,13 @@ from dsmatrix.verdict import ERROR, FIXED, is_behaviour
 
 REPORT_SCHEMA = "dsmatrix-qualification/1"
 SCHEMA_FILE = Path(__file__).parent / "schemas" / "qualification.schema.json"
-QUALIFIED, NOT_QUALIFIED = "QUALIFIED", "NOT QUALIFIED"
+QUALIFIED, NOT_QUALIFIED, CORRECT_ONLY = "QUALIFIED", "NOT QUALIFIED", "CORRECT, THROUGHPUT NOT SHOWN"
+HEADLINES = (QUALIFIED, CORRECT_ONLY, NOT_QUALIFIED)  # best first: --require X passes for X and better
+RULE = (
+    "QUALIFIED when every run completed, every non-excluded cell is `fixed` and every cell's throughput is `no-regression` "
+    "(by the throughput rule below); NOT QUALIFIED when a run is incomplete, a cell is not `fixed` or a throughput regression "
+    "is decided; otherwise CORRECT, THROUGHPUT NOT SHOWN, naming the cells whose throughput was not measured or not decided"
+)
 BUILDS = ("stock", "patched")
 
 
@@ -156,10 +162,11 @@ def _throughput(cell: dict[str, Any]) -> dict[str, Any] | None:
     if not bench:
         return None
     keys = ("verdict", "reason", "rule", "rounds", "margin", "comparisons", "calibration", "calibration_verdict", "certifiable_margin")
-    keys += ("leak",)
+    keys += ("leak", "time_verdict", "decided_by", "stopped", "max_rounds", "minutes", "rounds_duration_s", "duration_s", "instructions")
     out = {k: bench[k] for k in keys if k in bench}
     if "calibration" in bench and "certifiable_margin" not in bench:  # results written before it was recorded
         out["certifiable_margin"] = margin_certified_by(c["high"] for c in bench["calibration"] if kind_of(c["benchmark"]) == STEP)
+    out.setdefault("time_verdict", bench["verdict"] if "comparisons" in bench else None)
     return out
 
 
@@ -207,16 +214,42 @@ def _cell_entry(cell: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def headline(sources: Sequence[Source], cells: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    """QUALIFIED only when every run completed, every non-excluded cell is ``fixed`` and no cell's
-    throughput is a ``regression``; otherwise NOT QUALIFIED, with every reason."""
+def headline(sources: Sequence[Source], cells: list[dict[str, Any]]) -> tuple[str, list[str], str]:
+    """(headline, reasons, summary) by ``RULE``: what failed, else what was not shown, else qualified."""
     unfinished = [s.summary for s in sources if s.summary.get("status") != "complete"]
     reasons = [f"run {summary['run_id']} is {summary.get('status')}, not complete" for summary in unfinished]
     if not cells:
         reasons.append("no cell ran")
     reasons += [f"{c['cell']['label']}: {c['verdict']}" for c in cells if c["verdict"] != FIXED]
-    reasons += [f"{c['cell']['label']}: throughput regression" for c in cells if (c.get("benchmarks") or {}).get("verdict") == REGRESSION]
-    return (NOT_QUALIFIED if reasons else QUALIFIED), reasons
+    throughput = {c["cell"]["label"]: (c.get("benchmarks") or {}).get("verdict") or "not measured" for c in cells}
+    regressions = [label for label, verdict in throughput.items() if verdict == REGRESSION]
+    reasons += [f"{label}: throughput regression ({_decided_by(cells, label)})" for label in regressions]
+    if reasons:
+        return NOT_QUALIFIED, reasons, f"{len(reasons)} problem(s): " + "; ".join(reasons)
+    missing = {label: verdict for label, verdict in throughput.items() if verdict != NO_REGRESSION}
+    if missing:
+        groups: dict[str, list[str]] = {}
+        for label, verdict in missing.items():
+            groups.setdefault("not measured" if verdict.startswith("not") else f"not decided ({verdict})", []).append(label)
+        parts = [f"{what} in {len(labels)} cell(s)" for what, labels in groups.items()]
+        return (
+            CORRECT_ONLY,
+            [f"{label}: throughput {verdict}" for label, verdict in missing.items()],
+            "correct everywhere; throughput " + ", ".join(parts),
+        )
+    by = sorted({_decided_by(cells, label) for label in throughput})
+    return QUALIFIED, [], f"correct everywhere; no throughput regression in any cell (decided by {' and '.join(by)})"
+
+
+def _decided_by(cells: list[dict[str, Any]], label: str) -> str:
+    bench = next(c.get("benchmarks") or {} for c in cells if c["cell"]["label"] == label)
+    return bench.get("decided_by") or "step time"
+
+
+def passes(verdict: str, required: str) -> bool:
+    """Whether headline ``verdict`` is at least ``required`` (``qualified`` or ``correct``)."""
+    wanted = {"qualified": QUALIFIED, "correct": CORRECT_ONLY}[required]
+    return HEADLINES.index(verdict) <= HEADLINES.index(wanted)
 
 
 def report_id(sources: Sequence[Source]) -> str:
@@ -227,7 +260,7 @@ def report_id(sources: Sequence[Source]) -> str:
 
 def build_report(sources: Sequence[Source], cells: list[dict[str, Any]], excluded: list[dict[str, Any]]) -> dict[str, Any]:
     """The report's content, once, from ``merge(sources)``: what the JSON holds and both templates render."""
-    verdict, reasons = headline(sources, cells)
+    verdict, reasons, summary = headline(sources, cells)
     entries = [_cell_entry(c) for c in cells]
     counts: dict[str, int] = {}
     for cell in cells:
@@ -239,7 +272,9 @@ def build_report(sources: Sequence[Source], cells: list[dict[str, Any]], exclude
         "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "verdict": verdict,
         "verdict_reasons": reasons,
-        "rule": "QUALIFIED only when every run completed, every non-excluded cell is `fixed` and no cell's throughput is `regression`",
+        "verdict_summary": summary,
+        "rule": RULE,
+        "throughput_rule": next((c["benchmarks"]["headline_rule"] for c in cells if (c.get("benchmarks") or {}).get("headline_rule")), ""),
         "patch": first["patch"],
         "runtime": first.get("runtime", {}),
         "sources": [

@@ -65,10 +65,21 @@ def pair(stock_bug: str, patched_bug: str) -> dict:
 
 def comparison(name: str, ratio: float, low: float, high: float, verdict: str) -> dict:
     return {"benchmark": name, "kind": "step", "rounds": 6, "ratio": ratio, "low": low, "high": high, "margin": 0.02,
-            "verdict": verdict, "stock_s": 0.030, "patched_s": 0.030 * ratio, "rounds_to_decide": None, "width": high - low}  # fmt: skip
+            "verdict": verdict, "stock_s": 0.030, "patched_s": 0.030 * ratio, "width": high - low}  # fmt: skip
 
 
-def benchmarks(verdict: str = "no-regression", ratio: float = 0.995) -> dict:
+def instructions(verdict: str = "no-regression", ratio: float = 1.0004, aa: float = 1.00002) -> dict:
+    step = {"benchmark": "test_train_step[fp32-ckpt-off]", "kind": "step", "stock": 65_000_000, "patched": 65_000_000 * ratio,
+            "stock_again": 65_000_000 * aa, "ratio": ratio, "aa": aa, "uncertainty": abs(aa - 1), "verdict": verdict}  # fmt: skip
+    release = {**step, "benchmark": "test_release_path[fp32-ckpt-off]", "kind": "release-path", "stock": 800_000, "patched": 840_000,
+               "stock_again": 800_100, "ratio": 1.05, "aa": 1.000125, "uncertainty": 0.000125, "verdict": "regression"}  # fmt: skip
+    return {"metric": "instructions", "tool": "valgrind-3.19.0 callgrind", "margin": 0.005, "tolerance": 0.001, "steps": 5,
+            "rule": "per benchmark, the median instructions ...", "comparisons": [step, release], "verdict": verdict,
+            "calibration": "pass" if abs(aa - 1) <= 0.001 else "fail", "duration_s": 280.0}  # fmt: skip
+
+
+def benchmarks(verdict: str = "no-regression", ratio: float = 0.995, counted: str | None = "no-regression") -> dict:
+    """A cell's benchmarks: step time decided ``verdict``; instructions ``counted`` (None: not counted)."""
     series = [{"lifecycle": i, "rss_mb": 900 + 32 * i, "coordinators_alive": i, "linear_submodules_alive": 4 * i, "fwd_module_stack_len": i}
               for i in range(1, 4)]  # fmt: skip
     low, high = ratio - 0.015, ratio + 0.015
@@ -76,7 +87,14 @@ def benchmarks(verdict: str = "no-regression", ratio: float = 0.995) -> dict:
         "rule": "per round, patched/stock ...",
         "rounds": 6,
         "margin": 0.02,
-        "verdict": verdict,
+        "verdict": verdict if counted is None or verdict == "regression" else counted,
+        "time_verdict": verdict,
+        "decided_by": "step time" if counted is None or verdict == "regression" else "instructions",
+        "headline_rule": "a cell's throughput is decided on the training step by executed instructions ...",
+        "stopped": "decided",
+        "max_rounds": 45,
+        "rounds_duration_s": 400.0,
+        **({"instructions": instructions(counted)} if counted else {}),
         "comparisons": [comparison("test_train_step[fp32-ckpt-off]", ratio, low, high, verdict)],
         "calibration": [comparison("test_train_step[fp32-ckpt-off]", 1.001, 0.99, 1.012, "no-regression")],
         "calibration_verdict": "no-regression",

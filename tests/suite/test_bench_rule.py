@@ -1,8 +1,9 @@
-"""The throughput decision rule on synthetic rounds (no DeepSpeed, no timing)."""
+"""The throughput decision rules on synthetic rounds and counts (no DeepSpeed, no timing)."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,10 +25,9 @@ def test_five_percent_slower_is_a_regression() -> None:
     assert c.verdict == REGRESSION and c.low > 1.02 and math.isclose(c.ratio, 1.05, abs_tol=0.01)
 
 
-def test_noise_is_inconclusive_and_says_how_many_rounds_would_decide() -> None:
+def test_noise_is_inconclusive() -> None:
     c = compare("step", rounds(0.100, 0.05, 6, 1), rounds(0.102, 0.05, 6, 2))
     assert c.verdict == INCONCLUSIVE and c.low <= 1.02 < c.high, c
-    assert c.rounds_to_decide is not None and c.rounds_to_decide > 6
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ def test_noise_is_inconclusive_and_says_how_many_rounds_would_decide() -> None:
     [(0.97, 1.02, NO_REGRESSION), (1.021, 1.05, REGRESSION), (0.99, 1.03, INCONCLUSIVE), (1.0, 1.021, INCONCLUSIVE)],
 )
 def test_rule_boundaries(low: float, high: float, verdict: str) -> None:
-    assert decide((low + high) / 2, low, high, 0.02, 6)[0] == verdict
+    assert decide(low, high, 0.02) == verdict
 
 
 def test_machine_drift_between_rounds_cancels_within_each_round() -> None:
@@ -45,7 +45,7 @@ def test_machine_drift_between_rounds_cancels_within_each_round() -> None:
     stock = [0.100 * d for d in drift]
     patched = [s * (1 + e) for s, e in zip(stock, np.random.default_rng(3).normal(0, 0.004, len(stock)), strict=True)]
     c = compare("test_train_step[fp32-ckpt-off]", stock, patched)
-    assert c.verdict == NO_REGRESSION and c.width < 0.01, c
+    assert c.verdict == NO_REGRESSION and c.width < 0.04, c
 
 
 def test_cell_verdict_is_the_worst_step_benchmark() -> None:
@@ -72,3 +72,77 @@ def test_the_certifiable_margin_is_the_widest_a_a_step_upper_bound() -> None:
     micro = compare("test_release_path[a]", rounds(0.100, 0.2, 8, 1), rounds(0.100, 0.2, 8, 2))
     assert certifiable_margin([tight, loose, micro]) == round(loose.high - 1, 4) > tight.high - 1
     assert certifiable_margin([micro]) is None
+
+
+def test_the_sequential_interval_keeps_its_coverage_under_repeated_looks() -> None:
+    """Look after every third round up to 45 and stop at the first decision, as run_rounds does:
+    over 200 simulated A/A runs with a true ratio of exactly the margin's edge (1.02), the rule
+    may call no-regression (a wrong decision) in at most 5% of them; a fixed-size 95% t interval
+    looked at this often would be wrong far more often."""
+    from dsmatrix.bench import ratio_interval
+
+    rng = np.random.default_rng(7)
+    wrong = 0
+    for _ in range(200):
+        stock = list(np.full(45, 0.1))
+        patched = list(0.1 * 1.02 * np.exp(rng.normal(0, 0.02, 45)))
+        for n in range(3, 46, 3):
+            _, low, high = ratio_interval(stock[:n], patched[:n])
+            if decide(low, high, 0.02) != INCONCLUSIVE:
+                wrong += decide(low, high, 0.02) == NO_REGRESSION
+                break
+    assert wrong / 200 <= 0.05, wrong
+
+
+def test_the_cell_verdict_uses_instructions_and_any_decided_regression() -> None:
+    from dsmatrix.bench import cell_throughput
+
+    counted = {"verdict": NO_REGRESSION, "calibration": "pass"}
+    assert cell_throughput(INCONCLUSIVE, NO_REGRESSION, counted) == (NO_REGRESSION, "instructions")
+    assert cell_throughput(REGRESSION, NO_REGRESSION, counted) == (REGRESSION, "step time"), "a decided time regression fails"
+    assert cell_throughput(REGRESSION, REGRESSION, counted) == (NO_REGRESSION, "instructions"), "a failed A/A does not decide"
+    assert cell_throughput(NO_REGRESSION, NO_REGRESSION, {"verdict": REGRESSION, "calibration": "pass"}) == (REGRESSION, "instructions")
+    assert cell_throughput(NO_REGRESSION, NO_REGRESSION, {"verdict": NO_REGRESSION, "calibration": "fail"}) == (
+        INCONCLUSIVE,
+        "instructions",
+    )
+    unavailable = {"verdict": NOT_MEASURED, "reason": "valgrind is not installed here"}
+    assert cell_throughput(NO_REGRESSION, NO_REGRESSION, unavailable) == (NO_REGRESSION, "step time")
+    assert cell_throughput(INCONCLUSIVE, NO_REGRESSION, None) == (INCONCLUSIVE, "step time")
+    assert cell_throughput(NO_REGRESSION, INCONCLUSIVE, None) == (INCONCLUSIVE, "step time"), "time needs its A/A"
+
+
+def counts(center: int, spread: float, seed: int) -> list[int]:
+    return [int(center * (1 + e)) for e in np.random.default_rng(seed).normal(0, spread, 5)]
+
+
+def test_instruction_rule_widens_the_ratio_by_the_a_a_deviation() -> None:
+    from dsmatrix import instructions
+
+    same = instructions.compare("test_train_step[x]", {"stock": counts(65_000_000, 2e-4, 1), "patched": counts(65_030_000, 2e-4, 2),
+                                                      "stock-again": counts(65_000_000, 2e-4, 3)})  # fmt: skip
+    assert same["verdict"] == NO_REGRESSION and same["uncertainty"] < 0.001
+    slower = instructions.compare("test_train_step[x]", {"stock": [100] * 5, "patched": [101] * 5, "stock-again": [100] * 5})
+    assert slower["verdict"] == REGRESSION and slower["ratio"] == 1.01, "one percent more instructions is past the 0.5% margin"
+    edge = instructions.compare("test_train_step[x]", {"stock": [1000] * 5, "patched": [1004] * 5, "stock-again": [1002] * 5})
+    assert edge["verdict"] == INCONCLUSIVE, "1.004 widened by 0.2% straddles 1.005"
+    release = instructions.compare("test_release_path[x]", {"stock": [100] * 5, "patched": [130] * 5, "stock-again": [100] * 5})
+    assert instructions.verdict_of([same, release]) == (NO_REGRESSION, "pass"), "the release path is reported, not judged"
+    assert instructions.verdict_of([same, slower]) == (REGRESSION, "pass")
+    noisy = instructions.compare("test_train_step[y]", {"stock": [1000] * 5, "patched": [1000] * 5, "stock-again": [1003] * 5})
+    assert instructions.verdict_of([same, noisy]) == (INCONCLUSIVE, "fail"), "A/A beyond 0.1%: counts not repeatable enough"
+
+
+def test_callgrind_dumps_are_attributed_to_the_marks(tmp_path: Path) -> None:
+    from dsmatrix.errors import RunError
+    from dsmatrix.instructions import read_intervals
+
+    out = tmp_path / "stock"
+    marks = ["-", "step", "step", "release", "-"]
+    for index, total in enumerate([9_000_000, 5_000, 100, 102, 7], start=1):  # dump i: what ran before mark i
+        (tmp_path / f"stock.{index}").write_text(f"events: Ir\nsummary: {total}\ntotals: {total}\n")
+    out.write_text("events: Ir\ntotals: 42\n")
+    (tmp_path / "stock.marks.json").write_text("[]")  # not a dump
+    assert read_intervals(out, marks) == {"step": [100, 102], "release": [7]}
+    with pytest.raises(RunError, match="dumped 6 times for 4 marks"):
+        read_intervals(out, marks[:4])

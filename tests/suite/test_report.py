@@ -53,7 +53,7 @@ def test_fixed_not_fixed_excluded_and_error_cells_render_in_all_three_formats(tm
     assert 'when = { python = "==3.11", torch = "==2.13.0+cpu", deepspeed = "==0.19.6" }' in md
     assert "| stock | +64 MB over 3 | 3 | 12 | 3 |" in md and "[leak-rss.png](leak-rss.png)" in md
     assert "30.00 ms / 29.85 ms" in md
-    assert "A/A calibration `no-regression`; its upper bounds certify no-regression at margins >= 1.2% (this run: 2%, 6 rounds)" in md
+    assert "A/A calibration `no-regression`, whose upper bounds certify no-regression at margins >= 1.2% (this run: 2%)" in md
 
     html = (target / "qualification.html").read_text()
     assert '<div id="verdict" class="verdict NOT-QUALIFIED">NOT QUALIFIED</div>' in html
@@ -79,7 +79,51 @@ def test_all_fixed_is_qualified_and_a_throughput_regression_is_not(tmp_path: Pat
     store(tmp_path / "slow", [slow])
     report = load_report(write_report([tmp_path / "slow"], tmp_path / "reports"))
     assert report["verdict"] == "NOT QUALIFIED"
-    assert report["verdict_reasons"] == ["matrix(py3.11, torch2.13.0+cpu, ds0.19.8): throughput regression"]
+    assert report["verdict_reasons"] == ["matrix(py3.11, torch2.13.0+cpu, ds0.19.8): throughput regression (step time)"]
+
+
+def test_the_headline_says_what_was_proven(tmp_path: Path) -> None:
+    """QUALIFIED needs no-regression by the throughput rule in every cell; a cell whose throughput
+    was not decided (or not measured) leaves a distinct headline naming it; a regression decided by
+    instructions alone fails it."""
+    cases = {
+        "counted": ({**FIXED, "benchmarks": benchmarks("inconclusive", counted="no-regression")}, "QUALIFIED"),
+        "time-only": ({**FIXED, "benchmarks": benchmarks("inconclusive", counted=None)}, "CORRECT, THROUGHPUT NOT SHOWN"),
+        "unmeasured": ({k: v for k, v in FIXED.items() if k != "benchmarks"}, "CORRECT, THROUGHPUT NOT SHOWN"),
+        "counted-slower": ({**FIXED, "benchmarks": benchmarks("no-regression", counted="regression")}, "NOT QUALIFIED"),
+    }
+    for name, (result, headline) in cases.items():
+        if name == "counted-slower":
+            result["benchmarks"]["verdict"] = "regression"  # as cell_throughput decides it (tested in test_bench_rule)
+        store(tmp_path / name, [result])
+        target = write_report([tmp_path / name], tmp_path / "reports")
+        report = load_report(target)
+        validate(report)
+        assert report["verdict"] == headline, (name, report["verdict_reasons"])
+    report = load_report(write_report([tmp_path / "time-only"], tmp_path / "reports"))
+    assert report["verdict_summary"] == "correct everywhere; throughput not decided (inconclusive) in 1 cell(s)"
+    assert report["verdict_reasons"] == ["matrix(py3.11, torch2.13.0+cpu, ds0.19.8): throughput inconclusive"]
+    target = write_report([tmp_path / "counted"], tmp_path / "reports")
+    md, html = (target / "qualification.md").read_text(), (target / "qualification.html").read_text()
+    for text in (md, html):
+        assert "decided by instructions" in text and "Throughput rule: a cell&#39;s throughput" in text.replace("'", "&#39;")
+        assert "Executed instructions (valgrind-3.19.0 callgrind, median of 5 counted steps or calls per process)" in text
+        assert "after 6 round(s) of at most 45" in text and "stopped: decided" in text
+    assert "| `test_train_step[fp32-ckpt-off]` | 65,000,000 | 65,026,000 | 1.00040 | 1.00002 | no-regression |" in md
+    assert "| `test_release_path[fp32-ckpt-off]` | 800,000 | 840,000 | 1.05000 | 1.00012 | reported (regression) |" in md
+    assert "## ✅ QUALIFIED" in md and "**correct everywhere; no throughput regression in any cell (decided by instructions).**" in md
+
+
+@pytest.mark.parametrize(("store_of", "require", "code"), [("counted", "qualified", 0), ("time-only", "qualified", 1),
+                                                           ("time-only", "correct", 0), ("slow", "correct", 1)])  # fmt: skip
+def test_report_gates_with_require(tmp_path: Path, store_of: str, require: str, code: int) -> None:
+    from dsmatrix.cli import main
+
+    results = {"counted": FIXED, "time-only": {**FIXED, "benchmarks": benchmarks("inconclusive", counted=None)},
+               "slow": {**FIXED, "benchmarks": benchmarks("regression", ratio=1.1)}}  # fmt: skip
+    store(tmp_path / store_of, [results[store_of]])
+    assert main(["report", str(tmp_path / store_of), "--output", str(tmp_path / "reports"), "--require", require]) == code
+    assert main(["report", str(tmp_path / store_of), "--output", str(tmp_path / "reports")]) == 0, "no gate unless asked"
 
 
 def test_an_interrupted_run_does_not_qualify(tmp_path: Path) -> None:
@@ -101,7 +145,8 @@ def test_two_stores_from_different_runners_merge_into_one_report(tmp_path: Path)
     x86_cell = report["cells"][0]
     assert x86_cell["reasons"] == ["newer"] and x86_cell["source"]["run_id"] == rerun.id, "same fingerprint: the newest result wins"
     assert report["cells"][1]["source"]["run_id"] == arm.id and report["cells"][1]["environment"]["architecture"] == "aarch64"
-    assert len(report["excluded"]) == 1 and report["verdict"] == "QUALIFIED"
+    assert len(report["excluded"]) == 1 and report["verdict"] == "CORRECT, THROUGHPUT NOT SHOWN", "the arm cell was not benchmarked"
+    assert report["verdict_summary"] == "correct everywhere; throughput not measured in 1 cell(s)"
     md = (target / "qualification.md").read_text()
     assert x86.id not in [c["source"]["run_id"] for c in report["cells"]] and f"`{x86.id}`" in md, "every merged run is named"
 

@@ -58,9 +58,12 @@ def test_report_job_leaves_the_qualification_report(matrix_run: ActResult, act: 
     folder = reports[0].parent
     assert all((folder / f"qualification.{ext}").stat().st_size > 0 for ext in ("md", "html"))
     report = json.loads(reports[0].read_text())
-    assert report["verdict"] == "QUALIFIED", report["verdict_reasons"]
+    # the default tier checks correctness only: every cell fixed, throughput not measured (the
+    # report job gates with --require correct, the dispatch default)
+    assert report["verdict"] == "CORRECT, THROUGHPUT NOT SHOWN", report["verdict_reasons"]
+    assert report["verdict_summary"] == f"correct everywhere; throughput not measured in {len(planned)} cell(s)"
     assert sorted(c["id"] for c in report["cells"]) == sorted(c["id"] for c in planned)
-    assert "## ✅ QUALIFIED" in (folder / "qualification.md").read_text()
+    assert "## ⚠️ CORRECT, THROUGHPUT NOT SHOWN" in (folder / "qualification.md").read_text()
     print(f"qualification report of the act-run workflow: {folder}/qualification.{{md,html,json}}")
 
 
@@ -75,4 +78,4 @@ def test_pr_workflow_job(act: Act, job: str, skipped_jobs: set[str]) -> None:
     assert result.job_results() == {job: "succeeded"}
     if job == "pr-tier":
         uploaded = list((act.artifacts / "pr-qualification").glob("*/qualification.json"))
-        assert len(uploaded) == 1 and json.loads(uploaded[0].read_text())["verdict"] == "QUALIFIED"
+        assert len(uploaded) == 1 and json.loads(uploaded[0].read_text())["verdict"] == "CORRECT, THROUGHPUT NOT SHOWN"

@@ -1,0 +1,208 @@
+"""Executed instructions, stock vs patched: the deterministic throughput metric.
+
+Step time on a shared VM moves by percents; the code the fix touches costs microseconds. So
+each build also counts what a training step and a release-path call *execute*: the build's
+process runs ``tests/bench/count_instructions.py`` under valgrind's callgrind, which dumps its
+counters at every mark the script sets (``--dump-before`` a libc function only the marks call).
+Stock, patched and stock again run at the same time: counts do not depend on what else runs.
+
+**Decision rule.** Per benchmark, each process's median count over its counted steps (or
+calls); the ratio patched/stock; the A/A deviation ``u = |again/stock - 1|`` of the same run is
+the measurement's uncertainty. ``no-regression`` when ``ratio * (1 + u) <= 1 + margin`` (default
+0.5%), ``regression`` when ``ratio * (1 - u) > 1 + margin``, otherwise ``inconclusive``. The
+calibration passes when ``u <= 0.1%`` for every step benchmark. A cell is judged on its step
+benchmarks; the release path is reported beside them (it magnifies the code the fix changes,
+which a different, correct fix may well write more slowly per call at no cost per step).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dsmatrix.errors import RunError
+from dsmatrix.locations import suite_path
+from dsmatrix.run import free_port, remove_shm_buffers, test_environment
+
+BENCH = suite_path("bench")
+NO_REGRESSION, REGRESSION, INCONCLUSIVE, NOT_MEASURED = "no-regression", "regression", "inconclusive", "not-measured"
+PASS, FAIL = "pass", "fail"
+DEFAULT_MARGIN = 0.005
+CALIBRATION_TOLERANCE = 0.001
+COUNTED_STEPS = 5
+MARKER = "sched_get_priority_max"  # what count_instructions.mark() calls; nothing else in the process does
+BETWEEN = "-"
+# The same per-process settings as the time benchmark (hash seeds, glibc's allocator, one thread).
+STABLE_PROCESS = {
+    "OMP_NUM_THREADS": "1",
+    "PYTHONHASHSEED": "0",
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
+}
+RULE = (
+    "per benchmark, the median instructions per step (or release-path call) of the stock, patched and stock-again "
+    "processes under callgrind; u = |stock again / stock - 1|: no-regression if patched/stock x (1 + u) <= {limit:g}, "
+    "regression if patched/stock x (1 - u) > {limit:g}, else inconclusive; calibration passes if u <= {tolerance:g} "
+    "on every step benchmark; judged on the training step"
+)
+BUILDS = (("stock", "stock"), ("patched", "patched"), ("stock-again", "stock"))
+
+
+def valgrind_version() -> str | None:
+    """``valgrind-3.19.0`` when valgrind is on PATH, else None."""
+    if shutil.which("valgrind") is None:
+        return None
+    out = subprocess.run(["valgrind", "--version"], capture_output=True, text=True, check=False)
+    return out.stdout.strip() or None
+
+
+def kind_of(benchmark: str) -> str:
+    return "release-path" if benchmark.startswith("test_release_path") else "step"
+
+
+def decide(ratio: float, uncertainty: float, margin: float) -> str:
+    """The rule for one benchmark: its ratio, widened both ways by the A/A deviation."""
+    limit = 1 + margin
+    if ratio * (1 + uncertainty) <= limit:
+        return NO_REGRESSION
+    if ratio * (1 - uncertainty) > limit:
+        return REGRESSION
+    return INCONCLUSIVE
+
+
+def compare(name: str, counts: Mapping[str, Sequence[int]], margin: float = DEFAULT_MARGIN) -> dict[str, Any]:
+    """One benchmark: per-build medians, ratio, A/A deviation and verdict."""
+    stock, patched, again = (statistics.median(counts[label]) for label, _ in BUILDS)
+    ratio, aa = patched / stock, again / stock
+    uncertainty = abs(aa - 1)
+    return {
+        "benchmark": name,
+        "kind": kind_of(name),
+        "stock": stock,
+        "patched": patched,
+        "stock_again": again,
+        "ratio": ratio,
+        "aa": aa,
+        "uncertainty": uncertainty,
+        "spread": {label: (max(counts[label]) - min(counts[label])) / statistics.median(counts[label]) for label, _ in BUILDS},
+        "verdict": decide(ratio, uncertainty, margin),
+    }
+
+
+def verdict_of(comparisons: Sequence[Mapping[str, Any]], tolerance: float = CALIBRATION_TOLERANCE) -> tuple[str, str]:
+    """(verdict, calibration) of a cell: the worst step verdict; ``inconclusive`` when the A/A
+    deviation of a step benchmark exceeds the tolerance (the counts are not as repeatable as the rule needs)."""
+    steps = [c for c in comparisons if c["kind"] == "step"]
+    if not steps:
+        return NOT_MEASURED, FAIL
+    calibration = PASS if all(c["uncertainty"] <= tolerance for c in steps) else FAIL
+    verdicts = {c["verdict"] for c in steps}
+    if REGRESSION in verdicts:
+        return REGRESSION, calibration
+    if calibration == FAIL or INCONCLUSIVE in verdicts:
+        return INCONCLUSIVE, calibration
+    return NO_REGRESSION, calibration
+
+
+_TOTALS = re.compile(r"^totals:\s+(\d+)", re.MULTILINE)
+
+
+def read_intervals(out: Path, marks: Sequence[str]) -> dict[str, list[int]]:
+    """Label -> instructions of each interval, from callgrind's dumps ``out.1 .. out.N`` and ``out``.
+
+    Dump ``i + 1`` holds what ran after mark ``i`` (1-based); the file without a number, what
+    ran after the last mark. A dump count that does not match the marks means something else
+    called the marker function: the counts cannot be attributed, so the run fails.
+    """
+    numbered = (p for p in out.parent.glob(f"{out.name}.*") if p.suffix[1:].isdigit())
+    dumps = sorted(numbered, key=lambda p: int(p.suffix[1:]))
+    if len(dumps) != len(marks) or not out.is_file():
+        found = len(dumps) + out.is_file()
+        raise RunError(f"callgrind dumped {found} times for {len(marks)} marks and the end ({out}): {MARKER} called elsewhere")
+    intervals: dict[str, list[int]] = {}
+    for label, dump in zip(marks, [*dumps[1:], out], strict=True):
+        match = _TOTALS.search(dump.read_text(errors="replace"))
+        if match is None:
+            raise RunError(f"{dump}: no totals line in callgrind's dump")
+        if label != BETWEEN:
+            intervals.setdefault(label, []).append(int(match.group(1)))
+    return intervals
+
+
+def _count_command(python: Path, out: Path, marks: Path, runtime: Mapping[str, Sequence[str]], steps: int) -> list[str]:
+    return [
+        "valgrind", "--tool=callgrind", f"--dump-before={MARKER}", f"--callgrind-out-file={out}",
+        "--dump-line=no", "--compress-strings=yes", "--compress-pos=yes",
+        str(python), str(BENCH / "count_instructions.py"), "--marks", str(marks), f"--steps={steps}",
+        f"--dtype={','.join(runtime['dtype'])}", f"--checkpointing={','.join(runtime['checkpointing'])}",
+    ]  # fmt: skip
+
+
+def run_counts(
+    pythons: Mapping[str, Path],
+    extensions: Mapping[str, Path],
+    runtime: Mapping[str, Sequence[str]],
+    out_dir: Path,
+    name: str,
+    margin: float = DEFAULT_MARGIN,
+    steps: int = COUNTED_STEPS,
+    timeout_s: float = 3600,
+) -> dict[str, Any]:
+    """Stock, patched and stock again counted at the same time; compared per benchmark."""
+    tool = valgrind_version()
+    if tool is None:
+        return {"verdict": NOT_MEASURED, "reason": "valgrind is not installed here (apt-get install valgrind)"}
+    started = time.monotonic()
+    work = out_dir / f"{name}-callgrind"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    procs: dict[str, tuple[subprocess.Popen[bytes], Path, int]] = {}
+    try:
+        for label, build in BUILDS:
+            port = free_port()
+            env = {**test_environment(pythons[build], extensions[build], port, 0, 1), **STABLE_PROCESS}
+            log = out_dir / f"{name}-instructions-{label}.log"
+            command = _count_command(pythons[build], work / label, work / f"{label}.marks.json", runtime, steps)
+            with log.open("w") as handle:
+                procs[label] = (subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=BENCH), log, port)
+        deadline = started + timeout_s
+        for label, (proc, log, _) in procs.items():
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired as exc:
+                raise RunError(f"instruction count ({label}) timed out after {timeout_s:.0f} s (log: {log})") from exc
+            if proc.returncode != 0:
+                raise RunError(f"instruction count ({label}) exited {proc.returncode} (log: {log})")
+    finally:
+        for proc, _, port in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            remove_shm_buffers(port)
+    counts = {label: read_intervals(work / label, json.loads((work / f"{label}.marks.json").read_text())) for label, _ in BUILDS}
+    shutil.rmtree(work)  # callgrind's profiles are large; the counts are kept below
+    names = sorted(set.intersection(*(set(c) for c in counts.values())))
+    comparisons = [compare(b, {label: counts[label][b] for label, _ in BUILDS}, margin) for b in names]
+    verdict, calibration = verdict_of(comparisons)
+    saved = out_dir / f"{name}-instructions.json"
+    saved.write_text(json.dumps({"tool": tool, "counts": counts}, indent=1) + "\n")
+    return {
+        "metric": "instructions",
+        "tool": f"{tool} callgrind",
+        "margin": margin,
+        "tolerance": CALIBRATION_TOLERANCE,
+        "steps": steps,
+        "rule": RULE.format(limit=1 + margin, tolerance=CALIBRATION_TOLERANCE),
+        "comparisons": comparisons,
+        "verdict": verdict,
+        "calibration": calibration,
+        "files": [f"bench/{saved.name}"],
+        "duration_s": round(time.monotonic() - started, 1),
+    }

@@ -1,0 +1,85 @@
+"""Instructions executed per training step and per release-path call, counted under callgrind.
+
+Run by ``dsmatrix.instructions`` inside one build's environment::
+
+    valgrind --tool=callgrind --dump-before=sched_get_priority_max --callgrind-out-file=OUT \
+        python count_instructions.py --dtype fp32,bf16 --checkpointing off,on --steps 5 --marks MARKS.json
+
+Every ``mark(label)`` calls libc's ``sched_get_priority_max``, which nothing else in the process
+calls: callgrind dumps its counters on entering it, so dump ``i + 1`` (file ``OUT.<i+1>``, the
+last one ``OUT``) holds exactly what ran between mark ``i`` and the next. ``MARKS.json`` lists the
+labels in order. Instruction counts are the same from run to run up to a small amount of noise
+(hash layouts, allocator state), which the stock-again process measures.
+
+The step is the time benchmark's (``bench_step.py``): 4 x Linear(1024, 1024), persistence
+threshold 0, reuse distance 0, so every step gathers and releases every layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+
+WIDTH = 1024
+TRACE_STEPS = 3  # record the trace, then run on it (release decisions cached)
+MARKS: list[str] = []
+BETWEEN = "-"  # label of what runs between measured intervals (engine builds, teardown)
+
+
+def mark(label: str) -> None:
+    """Close the interval that ran since the last mark and open one called ``label``."""
+    os.sched_get_priority_max(os.SCHED_OTHER)
+    MARKS.append(label)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dtype", default="fp32,bf16")
+    parser.add_argument("--checkpointing", default="off,on")
+    parser.add_argument("--steps", type=int, default=5, help="counted steps (and release-path calls) per combination")
+    parser.add_argument("--marks", type=Path, required=True)
+    args = parser.parse_args()
+    for key, value in (("DS_ACCELERATOR", "cpu"), ("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    for key in ("WORLD_SIZE", "LOCAL_SIZE"):
+        os.environ.setdefault(key, "1")
+    os.environ.setdefault("MASTER_PORT", "29541")
+    import deepspeed
+    import zero3
+    from release_path import release_every_layer
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    mark(BETWEEN)
+    for dtype in args.dtype.split(","):
+        for checkpointing in args.checkpointing.split(","):
+            combo = f"{dtype}-ckpt-{checkpointing}"
+            engine = zero3.build_engine(zero3.new_model(checkpointing, width=WIDTH), dtype, reuse_distance=0)
+            for _ in range(TRACE_STEPS):
+                zero3.train_step(engine, dtype)
+            if not zero3.coordinator_of(engine).is_complete_trace():
+                raise SystemExit("harness: the trace never completed")
+            release_all, _ = release_every_layer(engine)
+            gc.collect()
+            gc.disable()  # as in the time benchmark (--benchmark-disable-gc)
+            for _ in range(args.steps):
+                mark(f"test_train_step[{combo}]")
+                zero3.train_step(engine, dtype)
+            for _ in range(args.steps):
+                mark(f"test_release_path[{combo}]")
+                release_all()
+            mark(BETWEEN)
+            gc.enable()
+            engine.destroy()
+    args.marks.write_text(json.dumps(MARKS) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
