@@ -2,8 +2,9 @@
 
 Step time on a shared VM moves by percents; the code the fix touches costs microseconds. So
 each build also counts what a training step and a release-path call *execute*: the build's
-process runs ``tests/bench/count_instructions.py`` under valgrind's callgrind, which dumps its
-counters at every mark the script sets (``--dump-before`` a libc function only the marks call).
+process runs ``tests/bench/count_instructions.py`` under valgrind's callgrind, instrumented only
+around the counted steps and calls, each of which ends in a labelled dump (callgrind's client
+requests, from ``<valgrind/callgrind.h>``, compiled here into a small library the script loads).
 Stock, patched and stock again run at the same time: counts do not depend on what else runs.
 
 **Decision rule.** Per benchmark, each process's median count over its counted steps (or
@@ -37,8 +38,13 @@ PASS, FAIL = "pass", "fail"
 DEFAULT_MARGIN = 0.005
 CALIBRATION_TOLERANCE = 0.001
 COUNTED_STEPS = 5
-MARKER = "sched_get_priority_max"  # what count_instructions.mark() calls; nothing else in the process does
-BETWEEN = "-"
+# callgrind's client requests for count_instructions.py (ctypes): counting on (zeroed), off, and a
+# dump labelled with the benchmark that just ran.
+MARKS_SOURCE = """#include <valgrind/callgrind.h>
+void dsmatrix_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_ZERO_STATS; }
+void dsmatrix_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
+void dsmatrix_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
+"""
 # The same per-process settings as the time benchmark (hash seeds, glibc's allocator, one thread).
 STABLE_PROCESS = {
     "OMP_NUM_THREADS": "1",
@@ -111,36 +117,42 @@ def verdict_of(comparisons: Sequence[Mapping[str, Any]], tolerance: float = CALI
     return NO_REGRESSION, calibration
 
 
-_TOTALS = re.compile(r"^totals:\s+(\d+)", re.MULTILINE)
+_DUMP = re.compile(r"^desc: Trigger: Client Request: (?P<label>[^\n]+)$.*?^totals:\s+(?P<totals>\d+)", re.MULTILINE | re.DOTALL)
 
 
-def read_intervals(out: Path, marks: Sequence[str]) -> dict[str, list[int]]:
-    """Label -> instructions of each interval, from callgrind's dumps ``out.1 .. out.N`` and ``out``.
-
-    Dump ``i + 1`` holds what ran after mark ``i`` (1-based); the file without a number, what
-    ran after the last mark. A dump count that does not match the marks means something else
-    called the marker function: the counts cannot be attributed, so the run fails.
-    """
-    numbered = (p for p in out.parent.glob(f"{out.name}.*") if p.suffix[1:].isdigit())
-    dumps = sorted(numbered, key=lambda p: int(p.suffix[1:]))
-    if len(dumps) != len(marks) or not out.is_file():
-        found = len(dumps) + out.is_file()
-        raise RunError(f"callgrind dumped {found} times for {len(marks)} marks and the end ({out}): {MARKER} called elsewhere")
+def read_intervals(out: Path) -> dict[str, list[int]]:
+    """Benchmark -> instructions of each counted step or call, from callgrind's labelled dumps
+    ``out.1 .. out.N`` (in order; the unnumbered final dump is the program's end, not counted)."""
+    dumps = sorted((p for p in out.parent.glob(f"{out.name}.*") if p.suffix[1:].isdigit()), key=lambda p: int(p.suffix[1:]))
     intervals: dict[str, list[int]] = {}
-    for label, dump in zip(marks, [*dumps[1:], out], strict=True):
-        match = _TOTALS.search(dump.read_text(errors="replace"))
+    for dump in dumps:
+        match = _DUMP.search(dump.read_text(errors="replace"))
         if match is None:
-            raise RunError(f"{dump}: no totals line in callgrind's dump")
-        if label != BETWEEN:
-            intervals.setdefault(label, []).append(int(match.group(1)))
+            raise RunError(f"{dump}: not a labelled callgrind dump (no client-request trigger and totals)")
+        intervals.setdefault(match["label"].strip(), []).append(int(match["totals"]))
+    if not intervals:
+        raise RunError(f"{out}: callgrind wrote no labelled dump")
     return intervals
+
+
+def compile_marks(folder: Path) -> Path:
+    """The client-request library, compiled with the C compiler DeepSpeed's JIT builds use too."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RunError("no C compiler (cc) to compile callgrind's client requests")
+    source, library = folder / "marks.c", folder / "marks.so"
+    source.write_text(MARKS_SOURCE)
+    proc = subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(library), str(source)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RunError(f"compiling {source} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+    return library
 
 
 def _count_command(python: Path, out: Path, marks: Path, runtime: Mapping[str, Sequence[str]], steps: int) -> list[str]:
     return [
-        "valgrind", "--tool=callgrind", f"--dump-before={MARKER}", f"--callgrind-out-file={out}",
+        "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
         "--dump-line=no", "--compress-strings=yes", "--compress-pos=yes",
-        str(python), str(BENCH / "count_instructions.py"), "--marks", str(marks), f"--steps={steps}",
+        str(python), str(BENCH / "count_instructions.py"), f"--marks-library={marks}", f"--steps={steps}",
         f"--dtype={','.join(runtime['dtype'])}", f"--checkpointing={','.join(runtime['checkpointing'])}",
     ]  # fmt: skip
 
@@ -163,13 +175,14 @@ def run_counts(
     work = out_dir / f"{name}-callgrind"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    marks = compile_marks(work)
     procs: dict[str, tuple[subprocess.Popen[bytes], Path, int]] = {}
     try:
         for label, build in BUILDS:
             port = free_port()
             env = {**test_environment(pythons[build], extensions[build], port, 0, 1), **STABLE_PROCESS}
             log = out_dir / f"{name}-instructions-{label}.log"
-            command = _count_command(pythons[build], work / label, work / f"{label}.marks.json", runtime, steps)
+            command = _count_command(pythons[build], work / label, marks, runtime, steps)
             with log.open("w") as handle:
                 procs[label] = (subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=BENCH), log, port)
         deadline = started + timeout_s
@@ -186,7 +199,7 @@ def run_counts(
                 proc.kill()
                 proc.wait()
             remove_shm_buffers(port)
-    counts = {label: read_intervals(work / label, json.loads((work / f"{label}.marks.json").read_text())) for label, _ in BUILDS}
+    counts = {label: read_intervals(work / label) for label, _ in BUILDS}
     shutil.rmtree(work)  # callgrind's profiles are large; the counts are kept below
     names = sorted(set.intersection(*(set(c) for c in counts.values())))
     comparisons = [compare(b, {label: counts[label][b] for label, _ in BUILDS}, margin) for b in names]

@@ -2,14 +2,15 @@
 
 Run by ``dsmatrix.instructions`` inside one build's environment::
 
-    valgrind --tool=callgrind --dump-before=sched_get_priority_max --callgrind-out-file=OUT \
-        python count_instructions.py --dtype fp32,bf16 --checkpointing off,on --steps 5 --marks MARKS.json
+    valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=OUT \
+        python count_instructions.py --marks-library marks.so --dtype fp32,bf16 --checkpointing off,on --steps 5
 
-Every ``mark(label)`` calls libc's ``sched_get_priority_max``, which nothing else in the process
-calls: callgrind dumps its counters on entering it, so dump ``i + 1`` (file ``OUT.<i+1>``, the
-last one ``OUT``) holds exactly what ran between mark ``i`` and the next. ``MARKS.json`` lists the
-labels in order. Instruction counts are the same from run to run up to a small amount of noise
-(hash layouts, allocator state), which the stock-again process measures.
+``marks.so`` wraps callgrind's client requests (``<valgrind/callgrind.h>``). Imports, engine
+builds and the trace-recording steps run uninstrumented (about 5x native instead of 50x); around
+the counted steps and calls instrumentation is on and every one ends in a dump labelled with its
+benchmark (``CALLGRIND_DUMP_STATS_AT``), which holds exactly what ran since the previous one.
+Outside valgrind the requests do nothing. Instruction counts are the same from run to run up to a
+small amount of noise (hash layouts, allocator state), which the stock-again process measures.
 
 The step is the time benchmark's (``bench_step.py``): 4 x Linear(1024, 1024), persistence
 threshold 0, reuse distance 0, so every step gathers and releases every layer.
@@ -18,8 +19,8 @@ threshold 0, reuse distance 0, so every step gathers and releases every layer.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
-import json
 import os
 import sys
 from pathlib import Path
@@ -29,34 +30,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 WIDTH = 1024
 TRACE_STEPS = 3  # record the trace, then run on it (release decisions cached)
-MARKS: list[str] = []
-BETWEEN = "-"  # label of what runs between measured intervals (engine builds, teardown)
-
-
-def mark(label: str) -> None:
-    """Close the interval that ran since the last mark and open one called ``label``."""
-    os.sched_get_priority_max(os.SCHED_OTHER)
-    MARKS.append(label)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--marks-library", type=Path, required=True, help="the compiled client requests (dsmatrix.instructions)")
     parser.add_argument("--dtype", default="fp32,bf16")
     parser.add_argument("--checkpointing", default="off,on")
     parser.add_argument("--steps", type=int, default=5, help="counted steps (and release-path calls) per combination")
-    parser.add_argument("--marks", type=Path, required=True)
     args = parser.parse_args()
     for key, value in (("DS_ACCELERATOR", "cpu"), ("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
     for key in ("WORLD_SIZE", "LOCAL_SIZE"):
         os.environ.setdefault(key, "1")
     os.environ.setdefault("MASTER_PORT", "29541")
+    marks = ctypes.CDLL(str(args.marks_library))
     import deepspeed
     import zero3
     from release_path import release_every_layer
 
     deepspeed.init_distributed(dist_backend="gloo")
-    mark(BETWEEN)
     for dtype in args.dtype.split(","):
         for checkpointing in args.checkpointing.split(","):
             combo = f"{dtype}-ckpt-{checkpointing}"
@@ -68,16 +61,16 @@ def main() -> int:
             release_all, _ = release_every_layer(engine)
             gc.collect()
             gc.disable()  # as in the time benchmark (--benchmark-disable-gc)
+            marks.dsmatrix_start()
             for _ in range(args.steps):
-                mark(f"test_train_step[{combo}]")
                 zero3.train_step(engine, dtype)
+                marks.dsmatrix_dump(f"test_train_step[{combo}]".encode())
             for _ in range(args.steps):
-                mark(f"test_release_path[{combo}]")
                 release_all()
-            mark(BETWEEN)
+                marks.dsmatrix_dump(f"test_release_path[{combo}]".encode())
+            marks.dsmatrix_stop()
             gc.enable()
             engine.destroy()
-    args.marks.write_text(json.dumps(MARKS) + "\n")
     return 0
 
 

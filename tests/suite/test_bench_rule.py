@@ -133,16 +133,19 @@ def test_instruction_rule_widens_the_ratio_by_the_a_a_deviation() -> None:
     assert instructions.verdict_of([same, noisy]) == (INCONCLUSIVE, "fail"), "A/A beyond 0.1%: counts not repeatable enough"
 
 
-def test_callgrind_dumps_are_attributed_to_the_marks(tmp_path: Path) -> None:
+def test_callgrind_dumps_are_read_by_their_labels(tmp_path: Path) -> None:
     from dsmatrix.errors import RunError
     from dsmatrix.instructions import read_intervals
 
-    out = tmp_path / "stock"
-    marks = ["-", "step", "step", "release", "-"]
-    for index, total in enumerate([9_000_000, 5_000, 100, 102, 7], start=1):  # dump i: what ran before mark i
-        (tmp_path / f"stock.{index}").write_text(f"events: Ir\nsummary: {total}\ntotals: {total}\n")
-    out.write_text("events: Ir\ntotals: 42\n")
-    (tmp_path / "stock.marks.json").write_text("[]")  # not a dump
-    assert read_intervals(out, marks) == {"step": [100, 102], "release": [7]}
-    with pytest.raises(RunError, match="dumped 6 times for 4 marks"):
-        read_intervals(out, marks[:4])
+    def dump(name: str, trigger: str, total: int) -> None:
+        header = "version: 1\ncreator: callgrind-3.19.0\npart: 1\ndesc: I1 cache: \ndesc: Timerange: Basic block 0 - 9\n"
+        (tmp_path / name).write_text(f"{header}desc: Trigger: {trigger}\nevents: Ir\nsummary: {total}\ntotals: {total}\n")
+
+    for index, (label, total) in enumerate([("test_train_step[a]", 100), ("test_train_step[a]", 102), ("test_release_path[a]", 7)], 1):
+        dump(f"stock.{index}", f"Client Request: {label}", total)
+    dump("stock", "Program termination", 42)  # the program's end: not counted
+    dump("stock-again.1", "Client Request: test_train_step[a]", 1)  # another build's file
+    assert read_intervals(tmp_path / "stock") == {"test_train_step[a]": [100, 102], "test_release_path[a]": [7]}
+    (tmp_path / "stock.4").write_text("garbage\n")
+    with pytest.raises(RunError, match="not a labelled callgrind dump"):
+        read_intervals(tmp_path / "stock")

@@ -65,7 +65,9 @@ def test_patch_that_does_not_apply(tmp_path: Path) -> None:
         ["--tier", "weekly"],
         ["--dtype", "fp16"],
         ["--patch", "no/such/patch.diff"],
-        ["--bench", "--rounds", "2"],
+        ["--bench", "--max-rounds", "2"],
+        ["--bench", "--bench-minutes", "0"],
+        ["--bench", "--instructions-margin", "-0.01"],
         ["--platform", "linux/s390x"],
     ],
 )
