@@ -7,13 +7,16 @@ around the counted steps and calls, each of which ends in a labelled dump (callg
 requests, from ``<valgrind/callgrind.h>``, compiled here into a small library the script loads).
 Stock, patched and stock again run at the same time: counts do not depend on what else runs.
 
-**Decision rule.** Per benchmark, each process's median count over its counted steps (or
-calls); the ratio patched/stock; the A/A deviation ``u = |again/stock - 1|`` of the same run is
+**Decision rule.** Per benchmark, each process's mean count over its counted steps (or calls);
+the ratio patched/stock; the A/A deviation ``u = |again/stock - 1|`` of the same run is
 the measurement's uncertainty. ``no-regression`` when ``ratio * (1 + u) <= 1 + margin`` (default
 0.5%), ``regression`` when ``ratio * (1 - u) > 1 + margin``, otherwise ``inconclusive``. The
-calibration passes when ``u <= 0.1%`` for every step benchmark. A cell is judged on its step
-benchmarks; the release path is reported beside them (it magnifies the code the fix changes,
-which a different, correct fix may well write more slowly per call at no cost per step).
+calibration passes when ``u <= 0.25%`` for every step benchmark: counts differ from process to
+process by up to about 0.1% here (object addresses decide hash-table probes in CPython and
+DeepSpeed's sets of parameters), more counted steps do not shrink that, and 0.25% keeps a
+decision possible at the 0.5% margin. A cell is judged on its step benchmarks; the release path
+is reported beside them (it magnifies the code the fix changes, which a different, correct fix
+may well write more slowly per call at no cost per step).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ BENCH = suite_path("bench")
 NO_REGRESSION, REGRESSION, INCONCLUSIVE, NOT_MEASURED = "no-regression", "regression", "inconclusive", "not-measured"
 PASS, FAIL = "pass", "fail"
 DEFAULT_MARGIN = 0.005
-CALIBRATION_TOLERANCE = 0.001
+CALIBRATION_TOLERANCE = 0.0025
 COUNTED_STEPS = 5
 # callgrind's client requests for count_instructions.py (ctypes): counting on (zeroed), off, and a
 # dump labelled with the benchmark that just ran.
@@ -53,7 +56,7 @@ STABLE_PROCESS = {
     "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
 }
 RULE = (
-    "per benchmark, the median instructions per step (or release-path call) of the stock, patched and stock-again "
+    "per benchmark, the mean instructions per step (or release-path call) of the stock, patched and stock-again "
     "processes under callgrind; u = |stock again / stock - 1|: no-regression if patched/stock x (1 + u) <= {limit:g}, "
     "regression if patched/stock x (1 - u) > {limit:g}, else inconclusive; calibration passes if u <= {tolerance:g} "
     "on every step benchmark; judged on the training step"
@@ -84,8 +87,8 @@ def decide(ratio: float, uncertainty: float, margin: float) -> str:
 
 
 def compare(name: str, counts: Mapping[str, Sequence[int]], margin: float = DEFAULT_MARGIN) -> dict[str, Any]:
-    """One benchmark: per-build medians, ratio, A/A deviation and verdict."""
-    stock, patched, again = (statistics.median(counts[label]) for label, _ in BUILDS)
+    """One benchmark: per-build means, ratio, A/A deviation and verdict."""
+    stock, patched, again = (statistics.fmean(counts[label]) for label, _ in BUILDS)
     ratio, aa = patched / stock, again / stock
     uncertainty = abs(aa - 1)
     return {
@@ -97,7 +100,7 @@ def compare(name: str, counts: Mapping[str, Sequence[int]], margin: float = DEFA
         "ratio": ratio,
         "aa": aa,
         "uncertainty": uncertainty,
-        "spread": {label: (max(counts[label]) - min(counts[label])) / statistics.median(counts[label]) for label, _ in BUILDS},
+        "spread": {label: (max(counts[label]) - min(counts[label])) / statistics.fmean(counts[label]) for label, _ in BUILDS},
         "verdict": decide(ratio, uncertainty, margin),
     }
 

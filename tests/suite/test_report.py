@@ -107,7 +107,7 @@ def test_the_headline_says_what_was_proven(tmp_path: Path) -> None:
     md, html = (target / "qualification.md").read_text(), (target / "qualification.html").read_text()
     for text in (md, html):
         assert "decided by instructions" in text and "Throughput rule: a cell&#39;s throughput" in text.replace("'", "&#39;")
-        assert "Executed instructions (valgrind-3.19.0 callgrind, median of 5 counted steps or calls per process)" in text
+        assert "Executed instructions (valgrind-3.19.0 callgrind, mean of 5 counted steps or calls per process)" in text
         assert "after 6 round(s) of at most 45" in text and "stopped: decided" in text
     assert "| `test_train_step[fp32-ckpt-off]` | 65,000,000 | 65,026,000 | 1.00040 | 1.00002 | no-regression |" in md
     assert "| `test_release_path[fp32-ckpt-off]` | 800,000 | 840,000 | 1.05000 | 1.00012 | reported, not judged |" in md

@@ -1,0 +1,33 @@
+"""The benchmarks end to end on a real cell: a fix made about 1% slower per step is a throughput
+regression, caught by executed instructions, and it fails the run (exit 1, summary line)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind counts the instructions")]
+CELL = "py3.11-torch2.13.0+cpu-ds0.19.8"
+
+
+def test_a_fix_one_percent_slower_is_a_regression_that_fails_the_run(tmp_path: Path) -> None:
+    """fp32 with checkpointing only, one short step-time round (the instruction count decides)."""
+    results = tmp_path / "results"
+    patch = REPO / "tests" / "fixtures" / "patches" / "slower-by-one-percent.diff"
+    args = ("--bench", "--deepspeed", "0.19.8", "--dtype", "fp32", "--checkpointing", "on", "--patch", str(patch))
+    budget = ("--max-rounds", "3", "--bench-minutes", "0.1", "--leak-lifecycles", "1")
+    proc = run_cli("matrix", *args, *budget, "--results", str(results), cwd=tmp_path)
+    print(proc.stdout[-4000:], proc.stderr[-2000:])
+    assert proc.returncode == 1, "a decided regression fails the run"
+    assert "1/1 cell(s) fixed; throughput: 1 regression" in proc.stdout
+    bench = json.loads((results / "latest" / "cells" / f"{CELL}.json").read_text())["benchmarks"]
+    assert (bench["verdict"], bench["decided_by"]) == ("regression", "instructions")
+    counts = bench["instructions"]
+    assert counts["calibration"] == "pass" and counts["verdict"] == "regression"
+    step = next(c for c in counts["comparisons"] if c["benchmark"] == "test_train_step[fp32-ckpt-on]")
+    assert 1.005 < step["ratio"] < 1.05 and step["uncertainty"] < 0.001, step
+    assert bench["rounds"] == 1 and bench["stopped"].startswith("time budget"), "the step-time rounds stop at their budget"
