@@ -70,7 +70,7 @@ RULE = (
 )
 HEADLINE_RULE = (
     "a cell's throughput is decided on the training step by executed instructions where valgrind counts them "
-    "(deterministic: margin {instructions:.1%}, A/A within {tolerance:.2%}), else by step time (margin {time:.0%}, "
+    "(near-deterministic: margin {instructions:.1%}, A/A within {tolerance:.2%}), else by step time (margin {time:.0%}, "
     "A/A calibration no-regression); a regression decided by either metric fails the cell"
 )
 

@@ -299,7 +299,8 @@ def _print_benchmarks(result: dict[str, Any]) -> None:
     if counts.get("comparisons"):
         print(f"    instructions: {counts['verdict']}, A/A calibration {counts['calibration']} ({counts['duration_s']:.0f} s)")
         for c in counts["comparisons"]:
-            print(f"      patched/stock {c['benchmark']}: {c['ratio']:.5f} (A/A {c['aa']:.5f}) {c['verdict']}")
+            judged = c["verdict"] if c["kind"] == "step" else "reported, not judged"
+            print(f"      patched/stock {c['benchmark']}: {c['ratio']:.5f} (A/A {c['aa']:.5f}) {judged}")
     elif counts:
         print(f"    instructions: {counts['verdict']} ({counts.get('reason', '')})")
     if "rounds" in bench:
