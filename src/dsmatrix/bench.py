@@ -71,7 +71,8 @@ RULE = (
 HEADLINE_RULE = (
     "a cell's throughput is decided on the training step by executed instructions where valgrind counts them "
     "(near-deterministic: margin {instructions:.1%}, A/A within {tolerance:.2%}), else by step time (margin {time:.0%}, "
-    "A/A calibration no-regression); a regression decided by either metric fails the cell"
+    "A/A calibration no-regression); a regression decided by either metric fails the cell (by step time unless its A/A "
+    "calibration is itself a regression): instructions do not see time spent waiting"
 )
 
 
@@ -168,14 +169,19 @@ def cell_throughput(time_verdict: str, calibration_verdict: str, instructions: M
     """(verdict, decided by) of a cell's throughput, by ``HEADLINE_RULE``.
 
     Instructions decide where they were counted with a passing calibration; step time decides
-    otherwise (its A/A calibration ``no-regression``). A regression decided by either metric
-    (its calibration passing) is a regression.
+    otherwise (its A/A calibration ``no-regression``). A regression decided by either metric is a
+    regression: by instructions with their calibration passing, by step time unless its A/A
+    calibration itself came out a regression. Instruction counts cannot see time spent waiting.
     """
     counted = instructions is not None and instructions.get("verdict") in (NO_REGRESSION, REGRESSION, INCONCLUSIVE)
     instructions_ok = counted and instructions.get("calibration") == "pass"
     time_ok = calibration_verdict == NO_REGRESSION
-    if (instructions_ok and instructions["verdict"] == REGRESSION) or (time_ok and time_verdict == REGRESSION):
-        return REGRESSION, "instructions" if instructions_ok and instructions["verdict"] == REGRESSION else "step time"
+    # a decided step-time regression stands unless the A/A itself came out a regression (a biased bench)
+    time_regression = time_verdict == REGRESSION and calibration_verdict != REGRESSION
+    if instructions_ok and instructions["verdict"] == REGRESSION:
+        return REGRESSION, "instructions"
+    if time_regression:
+        return REGRESSION, "step time"
     if counted:
         return (instructions["verdict"] if instructions_ok else INCONCLUSIVE), "instructions"
     if time_verdict == NOT_MEASURED:
