@@ -306,7 +306,7 @@ def _print_benchmarks(result: dict[str, Any]) -> None:
     if "rounds" in bench:
         minutes = bench.get("rounds_duration_s", 0) / 60
         time_verdict = bench.get("time_verdict", bench["verdict"])
-        print(f"    step time: {time_verdict}, {bench['rounds']} rounds in {minutes:.1f} min, stopped: {bench.get('stopped', '')}")
+        print(f"    step time: {time_verdict}, {bench['rounds']} round(s) in {minutes:.1f} min, stopped: {bench.get('stopped', '')}")
     for label, key in (("patched/stock", "comparisons"), ("A/A stock/stock", "calibration")):
         for c in bench.get(key, []):
             print(f"      {label} {c['benchmark']}: {c['ratio']:.3f} [{c['low']:.3f}, {c['high']:.3f}] {c['verdict']}")
