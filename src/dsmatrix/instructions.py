@@ -31,12 +31,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dsmatrix.bench import INCONCLUSIVE, NO_REGRESSION, NOT_MEASURED, REGRESSION, STABLE_PROCESS, STEP, kind_of
 from dsmatrix.errors import RunError
 from dsmatrix.locations import suite_path
 from dsmatrix.run import free_port, remove_shm_buffers, test_environment
 
 BENCH = suite_path("bench")
-NO_REGRESSION, REGRESSION, INCONCLUSIVE, NOT_MEASURED = "no-regression", "regression", "inconclusive", "not-measured"
 PASS, FAIL = "pass", "fail"
 DEFAULT_MARGIN = 0.005
 CALIBRATION_TOLERANCE = 0.0025
@@ -48,13 +48,6 @@ void dsmatrix_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_ZERO_STAT
 void dsmatrix_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
 void dsmatrix_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
 """
-# The same per-process settings as the time benchmark (hash seeds, glibc's allocator, one thread).
-STABLE_PROCESS = {
-    "OMP_NUM_THREADS": "1",
-    "PYTHONHASHSEED": "0",
-    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
-}
 RULE = (
     "per benchmark, the mean instructions per step (or release-path call) of the stock, patched and stock-again "
     "processes under callgrind; u = |stock again / stock - 1|: no-regression if patched/stock x (1 + u) <= {limit:g}, "
@@ -70,10 +63,6 @@ def valgrind_version() -> str | None:
         return None
     out = subprocess.run(["valgrind", "--version"], capture_output=True, text=True, check=False)
     return out.stdout.strip() or None
-
-
-def kind_of(benchmark: str) -> str:
-    return "release-path" if benchmark.startswith("test_release_path") else "step"
 
 
 def decide(ratio: float, uncertainty: float, margin: float) -> str:
@@ -108,7 +97,7 @@ def compare(name: str, counts: Mapping[str, Sequence[int]], margin: float = DEFA
 def verdict_of(comparisons: Sequence[Mapping[str, Any]], tolerance: float = CALIBRATION_TOLERANCE) -> tuple[str, str]:
     """(verdict, calibration) of a cell: the worst step verdict; ``inconclusive`` when the A/A
     deviation of a step benchmark exceeds the tolerance (the counts are not as repeatable as the rule needs)."""
-    steps = [c for c in comparisons if c["kind"] == "step"]
+    steps = [c for c in comparisons if c["kind"] == STEP]
     if not steps:
         return NOT_MEASURED, FAIL
     calibration = PASS if all(c["uncertainty"] <= tolerance for c in steps) else FAIL
