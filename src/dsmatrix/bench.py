@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dsmatrix import processes
 from dsmatrix.errors import RunError
 from dsmatrix.locations import suite_path
 from dsmatrix.run import free_port, remove_shm_buffers, test_environment
@@ -243,7 +244,7 @@ def _start_turn_taker(label: str, python: Path, extensions_dir: Path, runtime: M
     }
     log = out.with_suffix(".log")
     with log.open("w") as handle:
-        proc = subprocess.Popen(
+        proc = processes.start(
             command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=BENCH,
             pass_fds=(go_read, parked_write), preexec_fn=_pin_to_one_cpu,
         )  # fmt: skip
@@ -287,9 +288,7 @@ def _bench_round(
         _run_round(takers, timeout_s)
     finally:
         for taker in takers:
-            if taker.proc.poll() is None:
-                taker.proc.kill()
-                taker.proc.wait()
+            processes.stop(taker.proc)
             os.close(taker.go)
             os.close(taker.parked)
             remove_shm_buffers(taker.port)
@@ -388,7 +387,7 @@ def run_leak(
         started = time.monotonic()
         try:
             with log.open("w") as handle:
-                proc = subprocess.run(
+                proc = processes.run(
                     command + (["--drain"] if drain else []), stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=timeout_s
                 )
         finally:

@@ -10,43 +10,25 @@ soon as it is finished. Cells of this machine's platform run here; the others (o
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import shutil
-import signal
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dsmatrix import __version__
-from dsmatrix.bench import DEFAULT_MARGIN, DEFAULT_MAX_ROUNDS, DEFAULT_MINUTES, REGRESSION, BenchOptions
+from dsmatrix.bench import DEFAULT_MARGIN, DEFAULT_MAX_ROUNDS, DEFAULT_MINUTES, BenchOptions
+from dsmatrix.cache import Cache, default_root
 from dsmatrix.cells import Cell, Selection, plan_cells
 from dsmatrix.errors import ConfigError, FatalError
 from dsmatrix.hosts import native_platform
-from dsmatrix.images import (
-    IMAGES,
-    build_image,
-    docker_engine,
-    ensure_emulation,
-    image_for,
-    inside_view,
-    run_in_image,
-)
+from dsmatrix.images import IMAGES, build_image, docker_engine, ensure_emulation, image_for, inside_view
 from dsmatrix.instructions import DEFAULT_MARGIN as DEFAULT_INSTRUCTIONS_MARGIN
-from dsmatrix.locations import default_matrix, default_patch, image_source_tree, project_root
-from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, load_matrix
-from dsmatrix.patches import PatchSet, load_patch_set
-from dsmatrix.pipeline import add_benchmarks, cache_size, check_disk, check_patch, engine_tests_digest, fingerprint, preflight, run_cell
+from dsmatrix.locations import default_matrix, default_patch, project_root
+from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, Matrix, load_matrix
+from dsmatrix.matrix_run import MatrixOptions, plan_run, run_matrix
+from dsmatrix.patches import load_patch_set
 from dsmatrix.report import load_report, passes, write_report
-from dsmatrix.results import Run, find_finished, import_cells, start_run
-from dsmatrix.verdict import ERROR, exit_code
-
-
-def default_cache() -> Path:
-    return Path(os.environ.get("DSMATRIX_CACHE", Path.home() / ".cache" / "dsmatrix"))
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -62,10 +44,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         matrix.add_argument(flag, dest=axis, action="append", metavar="VALUE", help=f"select {axis} value(s) (repeat or comma-separate)")
     matrix.add_argument("--patch", type=Path, help="manifest folder or a single diff (default: the project's fix, else the bundled one)")
     matrix.add_argument("--results", type=Path, default=Path("results"))
-    matrix.add_argument("--cache-dir", type=Path, default=default_cache())
+    matrix.add_argument("--cache-dir", type=Path, default=default_root())
     matrix.add_argument("--plan", action="store_true", help="print the selected cells (and excluded ones) and exit")
     matrix.add_argument("--json", action="store_true", help="with --plan: the cells as a GitHub Actions job matrix ({include: [...]})")
-    matrix.add_argument("--fresh", action="store_true", help="re-run cells that already have a result for the same fingerprint")
+    matrix.add_argument("--fresh", action="store_true", help="reuse nothing: re-run every cell, stock tests included")
+    matrix.add_argument(
+        "--rerun-failed", action="store_true", help="reuse only `fixed` results (by default `fixed` and `not-fixed` are final and reused)"
+    )
     matrix.add_argument("--in-image", action="store_true", help="run this platform's cells in its image as well")
     matrix.add_argument("--base-image", help="base image for building missing images (default: debootstrap one here)")
     matrix.add_argument("--cell", "--only", dest="only", action="append", metavar="CELL_ID", help="run only these cell ids (a CI job)")
@@ -93,7 +78,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     images = sub.add_parser("images", help="build the container images (containers/*/Dockerfile)")
     images.add_argument("--platform", action="append", metavar="PLATFORM", help=f"one of {', '.join(IMAGES)} (default: both)")
     images.add_argument("--base-image", help="an official Debian image where a registry is reachable (default: debootstrap one here)")
-    images.add_argument("--cache-dir", type=Path, default=default_cache())
+    images.add_argument("--cache-dir", type=Path, default=default_root())
     report = sub.add_parser("report", help="merge results stores into the release-qualification report (Markdown, HTML, JSON)")
     report.add_argument(
         "stores", nargs="*", type=Path, default=[Path("results")], help="results stores (their latest run) or run folders; default: results"
@@ -167,116 +152,74 @@ def _bench_options(args: argparse.Namespace) -> BenchOptions | None:
     return BenchOptions(args.max_rounds, args.bench_minutes, args.margin, args.instructions_margin, args.leak_lifecycles)
 
 
-def _host_of(cell: Cell, args: argparse.Namespace) -> str:
-    """Where a cell runs: ``local``, or ``image:<name>`` for its platform's container image."""
-    if cell.platform == native_platform() and not args.in_image:
-        return "local"
-    return f"image:{image_for(cell.platform).name}"
+def _resume(args: argparse.Namespace) -> str:
+    if args.fresh and args.rerun_failed:
+        raise ConfigError("--fresh and --rerun-failed: choose one (--fresh re-runs every cell)")
+    return "none" if args.fresh else "fixed-only" if args.rerun_failed else "finished"
 
 
-def command_matrix(args: argparse.Namespace) -> int:
-    args.results = args.results.resolve()
-    args.root = project_root(args.root)
-    args.matrix = (args.matrix or default_matrix(args.root)).resolve()
-    args.patch = (args.patch or default_patch(args.root)).resolve()
-    matrix = load_matrix(args.matrix)
+def _select(matrix: Matrix, args: argparse.Namespace) -> Selection:
+    """The tier's cells on the chosen platforms, narrowed by the axis options and ``--cell``."""
     platforms = _split(args.platform) or [native_platform()]
     selection = plan_cells(matrix, matrix.tier(args.tier), _wanted(args), platforms)
     if args.only:
-        selection = Selection(tuple(c for c in selection.cells if c.id in args.only), selection.runtime, selection.excluded)
+        known = {c.id for c in selection.cells} | {e.cell.id for e in selection.excluded}
+        unknown = [c for c in _split(args.only) or [] if c not in known]
+        if unknown:
+            listed = ", ".join(c.id for c in selection.cells) or "none"
+            raise ConfigError(f"--cell {unknown[0]}: not a cell of tier {args.tier} on {', '.join(platforms)} (its cells: {listed})")
+        wanted = set(_split(args.only) or [])
+        kept = tuple(c for c in selection.cells if c.id in wanted)
+        selection = Selection(kept, selection.runtime, tuple(e for e in selection.excluded if e.cell.id in wanted))
+    return selection
+
+
+def matrix_options(args: argparse.Namespace) -> MatrixOptions:
+    """Every option of ``dsmatrix matrix`` resolved and checked once."""
+    root = project_root(args.root)
+    matrix_file = (args.matrix or default_matrix(root)).resolve()
+    matrix = load_matrix(matrix_file)
+    selection = _select(matrix, args)
+    return MatrixOptions(
+        tier=args.tier,
+        matrix=matrix_file,
+        patch=load_patch_set((args.patch or default_patch(root)).resolve()) if not args.plan else None,
+        results=args.results.resolve(),
+        cache=Cache(args.cache_dir.resolve()),
+        selection=selection,
+        root=root,
+        resume=_resume(args),
+        in_image=args.in_image,
+        base_image=args.base_image,
+        bench=_bench_options(args),
+        image_argv=tuple(_selection_argv(args)),
+    )
+
+
+def command_matrix(args: argparse.Namespace) -> int:
+    options = matrix_options(args)
+    selection = options.selection
     if args.plan:
         print_plan(selection, args.json)
         return 0
     if not selection.cells:
-        rules = ", ".join(sorted({e.rule.id for e in selection.excluded}))
+        rules = ", ".join(sorted({e.rule.id for e in selection.excluded})) or "no rule"
         raise ConfigError(f"tier {args.tier}: the selection leaves no cell to run ({len(selection.excluded)} excluded by {rules})")
-    patch = load_patch_set(args.patch)
-    _bench_options(args)  # bad benchmark options fail here, before anything runs
-    runtime = {a: list(v) for a, v in selection.runtime.items()}
-    suite = engine_tests_digest()
-    hosts = {cell: _host_of(cell, args) for cell in selection.cells}
-    prints = {cell: fingerprint(cell, runtime, patch, suite, hosts[cell]) for cell in selection.cells}
-    reusable = {} if args.fresh else {c: r for c in selection.cells if (r := find_finished(args.results, prints[c])) is not None}
-    todo = [c for c in selection.cells if c not in reusable]
-    local = Selection(tuple(c for c in todo if hosts[c] == "local"), selection.runtime)
-    in_images = sorted({c.platform for c in todo if hosts[c] != "local"})
-    preflight(local, patch, args.cache_dir)
-    check_patch({c.deepspeed for c in todo}, patch, args.cache_dir)  # also for cells that run in an image
-    need = check_disk(local, args.cache_dir)
-    for platform in in_images:
-        cells = tuple(c for c in todo if c.platform == platform and hosts[c] != "local")
-        need += check_disk(Selection(cells, selection.runtime), args.cache_dir / "images" / image_for(platform).name / "dsmatrix")
-    with contextlib.ExitStack() as stack:
-        client = stack.enter_context(_images_ready(in_images, args)) if in_images else None
-        return _run_matrix(args, selection, patch, runtime, hosts, prints, reusable, need, client)
-
-
-@contextlib.contextmanager
-def _images_ready(platforms: list[str], args: argparse.Namespace) -> Any:
-    """A docker client with an up-to-date image for every platform in ``platforms``."""
-    with docker_engine(args.cache_dir / "docker") as client:
-        for platform in platforms:
-            ensure_emulation(platform)
-            # always built: docker's layer cache makes an unchanged image seconds, a changed Dockerfile is never stale
-            build_image(client, image_for(platform), args.base_image, args.cache_dir / "images")
-        yield client
-
-
-def _run_matrix(
-    args: argparse.Namespace,
-    selection: Selection,
-    patch: PatchSet,
-    runtime: dict[str, list[str]],
-    hosts: dict[Cell, str],
-    prints: dict[Cell, str],
-    reusable: dict[Cell, dict[str, Any]],
-    need: float,
-    client: Any,
-) -> int:
+    plan = plan_run(options)
     excluded = [
         {"cell": {**e.cell.as_dict(), "label": e.cell.label}, "rule": e.rule.id, "reason": e.rule.reason} for e in selection.excluded
     ]
-    run = start_run(
-        args.results,
-        {"tier": args.tier, "matrix": str(args.matrix), "patch": patch.describe(), "runtime": runtime, "excluded": excluded},
-    )
-    print(
-        f"dsmatrix: run {run.id}: {len(selection.cells)} cell(s) ({len(reusable)} already done), {len(excluded)} excluded; "
-        f"patch {patch.source.name} ({patch.short}); uv cache {cache_size()}, this run may add ~{need:.1f} GiB; results in {run.root}"
-    )
-    verdicts: list[str] = []
-    bench = _bench_options(args)
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` ends the run like Ctrl-C: finished cells stay
-    try:
-        for cell in selection.cells:
-            if cell in reusable:
-                result = {**reusable[cell], "reused_from": reusable[cell].get("reused_from") or reusable[cell]["run_id"]}
-                print(f"{cell.label}: {result['verdict'].upper()}  (result of run {result['reused_from']}; --fresh re-runs it)")
-                if bench and hosts[cell] == "local":  # measured anew: a benchmark is of its moment
-                    print(f"{cell.label}: benchmarks ...", flush=True)
-                    result = add_benchmarks(result, cell, selection, patch, args.cache_dir, run, bench)
-                    _print_benchmarks(result)
-            elif hosts[cell] == "local":
-                print(f"{cell.label}: running ...", flush=True)
-                result = run_cell(cell, selection, patch, args.cache_dir, run, prints[cell], bench, reuse_stock=not args.fresh)
-                _print_result(cell, result)
-            else:
-                continue  # runs with the other cells of its image, below
-            run.add_cell(result)
-            verdicts.append(result["verdict"])
-        for platform in sorted({c.platform for c in selection.cells if hosts[c] != "local" and c not in reusable}):
-            cells = [c for c in selection.cells if c.platform == platform and hosts[c] != "local" and c not in reusable]
-            verdicts += _run_image_cells(args, client, platform, cells, prints, run)
-    except KeyboardInterrupt:
-        run.write_summary("interrupted")
-        print(f"dsmatrix: interrupted; {len(verdicts)} finished cell(s) kept in {run.root}", file=sys.stderr)
-        return 130
-    run.write_summary("complete")
-    throughput = [(c.get("benchmarks") or {}).get("verdict") for c in run.cells]
+    runtime = {a: list(v) for a, v in selection.runtime.items()}
+    meta = {"tier": args.tier, "matrix": str(options.matrix), "patch": options.patch.describe(), "runtime": runtime, "excluded": excluded}
+    outcome = run_matrix(options, plan, _print_result, meta)
+    if outcome.interrupted:
+        return outcome.exit_code
+    throughput = [(c.get("benchmarks") or {}).get("verdict") for c in outcome.run.cells]
     counted = {v: throughput.count(v) for v in dict.fromkeys(t for t in throughput if t)}
     measured = "; throughput: " + ", ".join(f"{n} {v}" for v, n in counted.items()) if counted else ""
-    print(f"dsmatrix: {sum(v == 'fixed' for v in verdicts)}/{len(verdicts)} cell(s) fixed{measured}; summary: {run.root / 'summary.json'}")
-    return exit_code(verdicts) or (1 if REGRESSION in counted else 0)
+    fixed = sum(v == "fixed" for v in outcome.verdicts)
+    print(f"dsmatrix: {fixed}/{len(outcome.verdicts)} cell(s) fixed{measured}; summary: {outcome.run.root / 'summary.json'}")
+    return outcome.exit_code
 
 
 def _print_result(cell: Cell, result: dict[str, Any]) -> None:
@@ -314,52 +257,6 @@ def _print_benchmarks(result: dict[str, Any]) -> None:
         print(f"      leak {line['line']}: {line['growth_mb']:+.0f} MB over {len(line['series'])} lifecycles")
 
 
-def _run_image_cells(
-    args: argparse.Namespace, client: Any, platform: str, cells: list[Cell], prints: dict[Cell, str], run: Run
-) -> list[str]:
-    """Run ``cells`` inside ``platform``'s image and import each finished one into ``run``.
-
-    A cell that does not come back (the container failed or was stopped) becomes an ``error``
-    cell naming the image and its last line; an interrupt keeps every cell that finished.
-    """
-    spec = image_for(platform)
-    image = client.images.get(spec.tag)
-    staging = args.cache_dir / "images" / spec.name / f"results-{run.id}"
-    argv = [*_selection_argv(args), "--platform", platform, "--fresh"] + [f"--only={c.id}" for c in cells]
-    print(f"dsmatrix: {len(cells)} cell(s) in {spec.tag} ({platform}) ...", flush=True)
-    started = time.monotonic()
-    by_id = {c.id: c for c in cells}
-    facts = {"image": {"tag": spec.tag, "id": image.id, "platform": platform}}
-    code, last = 130, "interrupted"
-    verdicts: list[str] = []
-
-    def finish(result: dict[str, Any]) -> dict[str, Any]:
-        cell = by_id.pop(result["cell"]["id"])
-        _print_result(cell, result)
-        verdicts.append(result["verdict"])  # below: the fingerprint as this host computes it, for reuse
-        return {**result, **facts, "fingerprint": prints[cell], "container_wall_s": round(time.monotonic() - started, 1)}
-
-    try:
-        source = image_source_tree(args.root)
-        code, last = run_in_image(client, spec, argv, staging, args.cache_dir, source, args.matrix, args.patch)
-    finally:
-        import_cells(staging, run, finish, seen_as=Path("/results"))
-        shutil.rmtree(staging, ignore_errors=True)
-    for cell in by_id.values():  # never came back
-        reason = f"{spec.tag}: `nox -s matrix` inside exited {code} before this cell finished: {last}"
-        result = {"schema": 1, "fingerprint": prints[cell], "cell": {**cell.as_dict(), "label": cell.label}, **facts}
-        result.update(verdict=ERROR, reasons=[reason], error_kind="HostError", builds={}, timings={})
-        result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        run.add_cell(result)
-        _print_result(cell, result)
-        verdicts.append(ERROR)
-    return verdicts
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def command_report(args: argparse.Namespace) -> int:
     target = write_report(args.stores, args.output)
     print((target / "qualification.md").read_text())
@@ -374,11 +271,12 @@ def command_report(args: argparse.Namespace) -> int:
 def command_images(args: argparse.Namespace) -> int:
     platforms = _split(args.platform) or list(IMAGES)
     specs = [image_for(p) for p in platforms]
-    with docker_engine(args.cache_dir / "docker") as client:
+    cache = Cache(args.cache_dir.resolve())
+    with docker_engine(cache.docker) as client:
         built = []
         for spec in specs:
             ensure_emulation(spec.platform)
-            facts = build_image(client, spec, args.base_image, args.cache_dir / "images")
+            facts = build_image(client, spec, args.base_image, cache.images())
             built.append((facts, inside_view(client, spec)))
     for facts, inside in built:
         print(f"{facts['tag']}: {facts['platform']} {facts['id'][:19]} (FROM {facts['base']})")

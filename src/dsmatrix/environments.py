@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from filelock import FileLock
-
+from dsmatrix import processes
+from dsmatrix.cache import materialise
 from dsmatrix.errors import FatalError, InstallError, InterpreterNotFound, UnknownVersionError
 
 UV_ENV = {"UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"}
@@ -99,7 +99,7 @@ def run_uv(
     """Run uv; a failure raises ``error`` carrying what uv said about the problem, on one line."""
     env = {**os.environ, **UV_ENV}
     try:
-        proc = subprocess.run([uv_executable(), *args], input=stdin, capture_output=True, text=True, env=env, timeout=timeout)
+        proc = processes.run([uv_executable(), *args], input=stdin, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise error(f"{what}: uv timed out after {timeout:.0f} s") from None
     if proc.returncode != 0:
@@ -146,7 +146,7 @@ def installed_versions(python: Path) -> dict[str, str]:
         "v['python'] = platform.python_version()\n"
         "print(json.dumps(v))\n"
     )
-    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120)
+    proc = processes.run([str(python), "-c", code], capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise InstallError(f"{python}: cannot read installed versions: {proc.stderr.strip()[-300:]}")
     return json.loads(proc.stdout)
@@ -158,53 +158,39 @@ def pip_freeze(python: Path) -> list[str]:
         "import importlib.metadata as m\n"
         "print('\\n'.join(sorted({f\"{d.metadata['Name']}=={d.version}\" for d in m.distributions()}, key=str.lower)))\n"
     )
-    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120)
+    proc = processes.run([str(python), "-c", code], capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise InstallError(f"{python}: cannot list installed distributions: {proc.stderr.strip()[-300:]}")
     return proc.stdout.split()
 
 
 def ensure_environment(path: Path, interpreter: Path, requirements: Sequence[str], what: str) -> Environment:
-    """Create (or reuse, when the marker shows the same request) a uv environment at ``path``.
-
-    Under a lock per environment, so runs sharing the cache never build one twice at once.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{path}.lock"):
-        return _ensure_environment(path, interpreter, requirements, what)
-
-
-def _ensure_environment(path: Path, interpreter: Path, requirements: Sequence[str], what: str) -> Environment:
+    """The uv environment at ``path`` (its path names the request, see ``Cache.environment``),
+    created once: in a temporary sibling, relocatable, renamed into place when installed."""
     wanted = {"interpreter": str(interpreter), "requirements": list(requirements)}
-    marker = path / MARKER
-    if marker.is_file():
-        try:
-            recorded = json.loads(marker.read_text())
-        except json.JSONDecodeError:
-            recorded = {}
-        if recorded.get("request") == wanted and (path / "bin" / "python").exists():
-            return Environment(path, recorded["installed"])
-    if path.exists():
-        shutil.rmtree(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    run_uv(["venv", "--quiet", "--python", str(interpreter), str(path)], f"{what}: create environment")
-    run_uv(
-        [
-            "pip",
-            "install",
-            "--quiet",
-            "--python",
-            str(path / "bin" / "python"),
-            "--compile-bytecode",
-            "--index-strategy",
-            "unsafe-best-match",
-            *pip_sources(),
-            *requirements,
-        ],
-        f"{what}: install {' '.join(Path(r).name for r in requirements)}",
-    )
-    installed = installed_versions(path / "bin" / "python")
-    tmp = marker.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"request": wanted, "installed": installed}, indent=2))
-    os.replace(tmp, marker)
-    return Environment(path, installed)
+
+    def complete(entry: Path) -> bool:
+        return _recorded(entry).get("request") == wanted and (entry / "bin" / "python").exists()
+
+    def create(staging: Path) -> None:
+        run_uv(
+            ["venv", "--quiet", "--relocatable", "--allow-existing", "--python", str(interpreter), str(staging)],
+            f"{what}: create environment",
+        )
+        run_uv(
+            ["pip", "install", "--quiet", "--python", str(staging / "bin" / "python"), "--compile-bytecode",
+             "--index-strategy", "unsafe-best-match", *pip_sources(), *requirements],
+            f"{what}: install {' '.join(Path(r).name for r in requirements)}",
+        )  # fmt: skip
+        installed = installed_versions(staging / "bin" / "python")
+        (staging / MARKER).write_text(json.dumps({"request": wanted, "installed": installed}, indent=2))
+
+    materialise(path, complete, create)
+    return Environment(path, _recorded(path)["installed"])
+
+
+def _recorded(path: Path) -> dict:
+    try:
+        return json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}

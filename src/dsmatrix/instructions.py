@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dsmatrix import processes
 from dsmatrix.bench import INCONCLUSIVE, NO_REGRESSION, NOT_MEASURED, REGRESSION, STABLE_PROCESS, STEP, kind_of
 from dsmatrix.errors import RunError
 from dsmatrix.locations import suite_path
@@ -176,7 +177,7 @@ def run_counts(
             log = out_dir / f"{name}-instructions-{label}.log"
             command = _count_command(pythons[build], work / label, marks, runtime, steps)
             with log.open("w") as handle:
-                procs[label] = (subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=BENCH), log, port)
+                procs[label] = (processes.start(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=BENCH), log, port)
         deadline = started + timeout_s
         for label, (proc, log, _) in procs.items():
             try:
@@ -187,9 +188,7 @@ def run_counts(
                 raise RunError(f"instruction count ({label}) exited {proc.returncode} (log: {log})")
     finally:
         for proc, _, port in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            processes.stop(proc)
             remove_shm_buffers(port)
     counts = {label: read_intervals(work / label) for label, _ in BUILDS}
     shutil.rmtree(work)  # callgrind's profiles are large; the counts are kept below

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import tempfile
@@ -18,15 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-
 from dsmatrix.bench import HEADLINE_RULE, NOT_MEASURED, BenchOptions, cell_throughput, run_leak, run_rounds
-from dsmatrix.builds import build_key, build_wheel, builder_dir, fetch_sdist, unpack_sdist
+from dsmatrix.builds import build_key, build_wheel, fetch_sdist, unpack_sdist
+from dsmatrix.cache import Cache, materialise
 from dsmatrix.cells import Cell, Selection
 from dsmatrix.environments import check_installable, ensure_environment, find_interpreter, pip_freeze, uv_executable
 from dsmatrix.errors import DiskSpaceError, FatalError
 from dsmatrix.hosts import describe
 from dsmatrix.instructions import CALIBRATION_TOLERANCE, run_counts
+from dsmatrix.locations import suite_path
 from dsmatrix.patches import PatchSet, apply_diff
 from dsmatrix.results import Run
 from dsmatrix.run import ENGINE_TESTS, TestRun, outcome_dict, outcomes_from_junits, run_engine_tests
@@ -40,13 +39,18 @@ GIB = 1024**3
 # CUDA builds (~6.7 GB unpacked with their nvidia-* dependencies); CPU builds ~1 GB.
 TORCH_SET_GIB = {"cuda": 7.0, "cpu": 1.0}
 ENVIRONMENT_GIB = 0.1
+PACKAGE = Path(__file__).parent
+BENCH_SCRIPTS = suite_path("bench")
 
 
-def engine_tests_digest() -> str:
-    """sha256 over the engine tests' source: a changed test invalidates earlier results."""
+def suite_digest() -> str:
+    """sha256 over the suite's own code: this package, the engine tests and the benchmarks. A result
+    is reused only by the same suite: a changed test, rule or runner invalidates earlier results."""
     sha = hashlib.sha256()
-    for path in sorted(ENGINE_TESTS.rglob("*.py")):
-        sha.update(str(path.relative_to(ENGINE_TESTS)).encode() + b"\0" + path.read_bytes())
+    for name, folder in (("dsmatrix", PACKAGE), ("engine", ENGINE_TESTS), ("bench", BENCH_SCRIPTS)):
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and path.suffix in (".py", ".json", ".j2", ".ini") and "__pycache__" not in path.parts:
+                sha.update(f"{name}/{path.relative_to(folder)}".encode() + b"\0" + path.read_bytes())
     return sha.hexdigest()
 
 
@@ -62,22 +66,22 @@ def cache_size() -> str:
     return proc.stdout.strip() or "unknown"
 
 
-def check_disk(selection: Selection, cache: Path) -> float:
+def check_disk(selection: Selection, cache: Cache) -> float:
     """Refuse a run that would not fit the free disk; returns the estimate in GiB."""
-    new_sets = {(c.python, c.torch, c.platform) for c in selection.cells if not builder_dir(c.python, c.torch, cache).exists()}
+    new_sets = {(c.python, c.torch, c.platform) for c in selection.cells if not cache.has_builder(c.python, c.torch)}
     cpu = {(p, t, plat) for p, t, plat in new_sets if "+cpu" in t or plat == "linux/arm64"}  # arm64: CUDA builds are ruled out
     need = TORCH_SET_GIB["cpu"] * len(cpu) + TORCH_SET_GIB["cuda"] * len(new_sets - cpu)
     need += ENVIRONMENT_GIB * 2 * len(selection.cells)
-    cache.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(cache).free / GIB
+    cache.root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(cache.root).free / GIB
     if need > free:
         raise DiskSpaceError(
-            f"{cache}: the selected cells need about {need:.1f} GiB ({len(new_sets)} new torch set(s)), only {free:.1f} GiB free"
+            f"{cache.root}: the selected cells need about {need:.1f} GiB ({len(new_sets)} new torch set(s)), only {free:.1f} GiB free"
         )
     return need
 
 
-def preflight(selection: Selection, patch: PatchSet, cache: Path) -> None:
+def preflight(selection: Selection, patch: PatchSet, cache: Cache) -> None:
     """Check every input the run depends on; raises a one-line FatalError on the first problem."""
     for python in sorted({c.python for c in selection.cells}):
         find_interpreter(python)
@@ -86,7 +90,7 @@ def preflight(selection: Selection, patch: PatchSet, cache: Path) -> None:
     check_patch({c.deepspeed for c in selection.cells}, patch, cache)
 
 
-def check_patch(deepspeed_versions: set[str], patch: PatchSet, cache: Path) -> None:
+def check_patch(deepspeed_versions: set[str], patch: PatchSet, cache: Cache) -> None:
     """Every DeepSpeed version has a diff, and it applies to that release's sdist (any platform)."""
     for deepspeed in sorted(deepspeed_versions):
         diff = patch.diff_for(deepspeed)
@@ -110,60 +114,65 @@ class PreparedBuild:
         return {"wheel": self.wheel, "build_info": self.info, "installed": self.installed, "freeze": self.freeze}
 
 
-def prepare_builds(cell: Cell, patch: PatchSet, cache: Path) -> dict[str, PreparedBuild]:
+def stage(cell: Cell, what: str) -> None:
+    """One progress line: the cell and the stage it enters (a CI log and a terminal read it alike)."""
+    print(f"{cell.label}: {what} ...", flush=True)
+
+
+def prepare_builds(cell: Cell, patch: PatchSet, cache: Cache) -> dict[str, PreparedBuild]:
     """Stock and patched wheels built and installed, each in its own environment (all cached)."""
     builds = {}
+    interpreter = find_interpreter(cell.python)
     for build in BUILDS:
         build_patch = patch if build == "patched" else None
+        stage(cell, f"{build} wheel")
         wheel = build_wheel(cell, cache, build_patch)
-        env = ensure_environment(
-            cache / "envs" / cell.id / build_key(build_patch),
-            find_interpreter(cell.python),
-            [f"torch=={cell.torch}", str(wheel.wheel), *TEST_REQUIREMENTS],
-            f"{cell.label} {build}",
-        )
-        key = wheel.info.get("wheel_sha256", build)[:12]
-        extensions = cache / "torch-extensions" / cell.id / key
+        stage(cell, f"{build} environment")
+        requirements = [f"torch=={cell.torch}", str(wheel.wheel), *TEST_REQUIREMENTS]
+        request = {"interpreter": str(interpreter), "requirements": requirements}
+        path = cache.environment(cell.id, build_key(build_patch), request)
+        env = ensure_environment(path, interpreter, requirements, f"{cell.label} {build}")
+        extensions = cache.extensions(cell.id, wheel.info.get("wheel_sha256", build)[:12])
         builds[build] = PreparedBuild(env.python, extensions, wheel.wheel.name, wheel.info, env.installed, pip_freeze(env.python))
     return builds
 
 
 def stock_tests(
-    cell: Cell, build: PreparedBuild, runtime: dict[str, list[str]], cache: Path, raw: Path, reuse: bool
+    cell: Cell, build: PreparedBuild, runtime: dict[str, list[str]], cache: Cache, raw: Path, reuse: bool
 ) -> tuple[TestRun, str]:
     """The stock build's engine-test run, reused from the cache when the same stock wheel already
-    ran the same engine tests over the same runtime axes (validating several patches runs stock
-    once); returns the run and the id of the run that produced it ("" when run now).
+    ran the same suite over the same runtime axes (validating several patches runs stock once);
+    returns the run and the id of the run that produced it ("" when run now).
 
-    Under a lock per entry: a concurrent run waits for the stock tests instead of repeating them.
-    """
-    key = {"cell": cell.values(), "runtime": runtime, "wheel": build.info.get("wheel_sha256", ""), "suite": engine_tests_digest()}
-    saved = cache / "stock-results" / cell.id / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    saved.parent.mkdir(parents=True, exist_ok=True)
+    A concurrent run waits for the stock tests (the entry's lock) instead of repeating them."""
+    key = {"cell": cell.values(), "runtime": runtime, "wheel": build.info.get("wheel_sha256", ""), "suite": suite_digest()}
+    entry = cache.stock_results(cell.id, key)
     name = f"{cell.id}-stock"
-    with FileLock(f"{saved}.lock"):
-        if reuse and (saved / "run.json").is_file():
-            info = json.loads((saved / "run.json").read_text())
-            raw.mkdir(parents=True, exist_ok=True)
-            copied = [Path(shutil.copy2(saved / f, raw / f)) for f in info["files"]]
-            junits = tuple(p for p in copied if p.suffix == ".xml")
-            logs = tuple(p for p in copied if p.suffix == ".log")
-            return TestRun(outcomes_from_junits(junits), info["duration_s"], junits, logs), info["run_id"]
+    fresh: list[TestRun] = []
+
+    def run_now(staging: Path) -> None:
         test_run = run_engine_tests(build.python, build.extensions, runtime, raw, name)
-        staging = Path(tempfile.mkdtemp(dir=saved.parent, prefix=f".{saved.name}-"))
         files = [f.name for f in (*test_run.junits, *test_run.logs)]
         for f in (*test_run.junits, *test_run.logs):
             shutil.copy2(f, staging / f.name)
         info = {"run_id": raw.parent.name, "duration_s": test_run.duration_s, "files": files}
         (staging / "run.json").write_text(json.dumps(info, indent=2))
-        if saved.exists():
-            shutil.rmtree(saved)
-        os.replace(staging, saved)
-        return test_run, ""
+        fresh.append(test_run)
+
+    with cache.using_extensions([build.extensions]):
+        materialise(entry, lambda e: reuse and (e / "run.json").is_file(), run_now)
+    if fresh:
+        return fresh[0], ""
+    info = json.loads((entry / "run.json").read_text())
+    raw.mkdir(parents=True, exist_ok=True)
+    copied = [Path(shutil.copy2(entry / f, raw / f)) for f in info["files"]]
+    junits = tuple(p for p in copied if p.suffix == ".xml")
+    logs = tuple(p for p in copied if p.suffix == ".log")
+    return TestRun(outcomes_from_junits(junits), info["duration_s"], junits, logs), info["run_id"]
 
 
 def run_benchmarks(
-    builds: dict[str, PreparedBuild], runtime: Any, run: Run, cell: Cell, options: BenchOptions, emulated: bool
+    builds: dict[str, PreparedBuild], runtime: Any, run: Run, cell: Cell, options: BenchOptions, emulated: bool, cache: Cache
 ) -> dict[str, Any]:
     """Executed instructions, step-time rounds and the leak lines for one cell, and the cell's
     throughput verdict (``HEADLINE_RULE``); never judged under emulation."""
@@ -171,6 +180,13 @@ def run_benchmarks(
         return {"verdict": f"{NOT_MEASURED} (emulated)", "reason": "timings under qemu-user say nothing about native speed"}
     pythons = {b: builds[b].python for b in builds}
     extensions = {b: builds[b].extensions for b in builds}
+    with cache.using_extensions(list(extensions.values())):
+        return _run_benchmarks(pythons, extensions, runtime, run, cell, options)
+
+
+def _run_benchmarks(
+    pythons: dict[str, Path], extensions: dict[str, Path], runtime: Any, run: Run, cell: Cell, options: BenchOptions
+) -> dict[str, Any]:
     out = run.root / "bench"
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -198,20 +214,20 @@ def run_benchmarks(
     }
 
 
-def add_benchmarks(result: dict[str, Any], cell: Cell, selection: Selection, patch: PatchSet, cache: Path, run: Run, bench: BenchOptions):
+def add_benchmarks(result: dict[str, Any], cell: Cell, selection: Selection, patch: PatchSet, cache: Cache, run: Run, bench: BenchOptions):
     """Benchmarks for a cell whose correctness result is reused (its builds are cached)."""
     try:
         builds = prepare_builds(cell, patch, cache)
     except FatalError as exc:
         return {**result, "benchmarks": {"verdict": "error", "reason": str(exc)}}
-    return {**result, "benchmarks": run_benchmarks(builds, selection.runtime, run, cell, bench, describe()["emulated"])}
+    return {**result, "benchmarks": run_benchmarks(builds, selection.runtime, run, cell, bench, describe()["emulated"], cache)}
 
 
 def run_cell(
     cell: Cell,
     selection: Selection,
     patch: PatchSet,
-    cache: Path,
+    cache: Cache,
     run: Run,
     fingerprint: str,
     bench: BenchOptions | None = None,
@@ -239,12 +255,14 @@ def run_cell(
         setup_s = time.monotonic() - started
         runs = {}
         for build, b in builds.items():
+            stage(cell, f"{build} engine tests")
             if build == "stock":
                 runs[build], reused_from = stock_tests(cell, b, selection.runtime, cache, run.root / "raw", reuse_stock)
                 if reused_from:
                     result["builds"][build]["tests_reused_from"] = reused_from
             else:
-                runs[build] = run_engine_tests(b.python, b.extensions, selection.runtime, run.root / "raw", f"{cell.id}-{build}")
+                with cache.using_extensions([b.extensions]):
+                    runs[build] = run_engine_tests(b.python, b.extensions, selection.runtime, run.root / "raw", f"{cell.id}-{build}")
             result["builds"][build].update(
                 junit=[str(path.relative_to(run.root)) for path in runs[build].junits],
                 logs=[str(path.relative_to(run.root)) for path in runs[build].logs],
@@ -255,7 +273,8 @@ def run_cell(
         verdict = cell_verdict(runs["stock"].outcomes, runs["patched"].outcomes)
         result.update(verdict=verdict.verdict, reasons=list(verdict.reasons))
         if bench is not None:
-            result["benchmarks"] = run_benchmarks(builds, selection.runtime, run, cell, bench, result["host"]["emulated"])
+            stage(cell, "benchmarks")
+            result["benchmarks"] = run_benchmarks(builds, selection.runtime, run, cell, bench, result["host"]["emulated"], cache)
             tests_s = time.monotonic() - started - setup_s - result["benchmarks"].get("duration_s", 0.0)
     except FatalError as exc:  # CellError, or e.g. an interpreter that vanished since the preflight
         result.update(verdict=ERROR, reasons=[str(exc)], error_kind=type(exc).__name__)

@@ -19,10 +19,11 @@ from typing import Any
 import jinja2
 
 from dsmatrix.bench import NO_REGRESSION, REGRESSION, STEP, kind_of, margin_certified_by
-from dsmatrix.errors import ConfigError
+from dsmatrix.errors import ConfigError, ResultsError
 from dsmatrix.plots import leak_plot, ratio_plot
 from dsmatrix.results import load_run, write_json
-from dsmatrix.verdict import ERROR, FIXED, is_behaviour
+from dsmatrix.run import outcome_from_dict
+from dsmatrix.verdict import ERROR, FIXED, is_behaviour, test_state
 
 REPORT_SCHEMA = "dsmatrix-qualification/1"
 SCHEMA_FILE = Path(__file__).parent / "schemas" / "qualification.schema.json"
@@ -49,7 +50,7 @@ def load_source(path: Path) -> Source:
     """A run folder, or a results store: its ``latest`` run, or its newest run where ``latest``
     did not survive the trip (a CI artifact keeps no symlinks)."""
     if not path.exists():
-        raise ConfigError(f"{path}: no such results store or run")
+        raise ResultsError(f"{path}: no such results store or run")
     root = path
     if not (path / "summary.json").is_file():
         runs = sorted(p.parent for p in path.glob("*/summary.json") if p.parent.name != "latest")
@@ -83,34 +84,6 @@ def merge(sources: Sequence[Source]) -> tuple[list[dict[str, Any]], list[dict[st
     return cells, sorted(excluded.values(), key=lambda e: e["cell"]["id"])
 
 
-def _state(stock: dict[str, Any], patched: dict[str, Any]) -> str:
-    """What one stock/patched pair of a test's results says: ``fixed`` (bug seen on stock, gone on
-    patched), ``ok`` (a control or reference test passing on both, behaviour as stock), ``broken``
-    (patched fails), ``differs`` (patched gathers/releases differently from stock), ``harness``
-    (stock failed without observing the bug: not evidence), ``unseen`` (a bug test passing on
-    stock), ``skipped``, ``absent``."""
-    s, p = stock.get("outcome", "absent"), patched.get("outcome", "absent")
-    if "absent" in (s, p):
-        return "absent"
-    if p in ("failed", "error"):
-        return "broken"
-    if "skipped" in (s, p):
-        return "skipped"
-    if not stock.get("bug"):
-        if s != "passed":
-            return "broken"
-        if stock.get("reference") and _behaviour(stock) != _behaviour(patched):
-            return "differs"
-        return "ok"
-    if s == "passed":
-        return "unseen"
-    return "fixed" if stock.get("bug_observed") is not None else "harness"
-
-
-def _behaviour(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in result.get("properties", {}).items() if is_behaviour(k)}
-
-
 def _test_grid(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per test id: its bug (or ``control``) and the stock/patched outcome in every cell."""
     bugs: dict[str, str] = {}
@@ -125,7 +98,8 @@ def _test_grid(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
             builds = cell.get("builds", {})
             results = {b: builds.get(b, {}).get("tests", {}).get(test_id, {}) for b in BUILDS}
             pair = {b: results[b].get("outcome", "absent") for b in BUILDS}
-            outcomes[cell["cell"]["id"]] = {**pair, "state": _state(results["stock"], results["patched"])}
+            state = test_state(outcome_from_dict(results["stock"]), outcome_from_dict(results["patched"]))
+            outcomes[cell["cell"]["id"]] = {**pair, "state": state}
         rows.append({"test": test_id, "bug": bug or "control", "outcomes": outcomes})
     return rows
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsmatrix.errors import ConfigError
+from dsmatrix.errors import ResultsError
 from dsmatrix.hosts import describe
 
 SCHEMA = 1
@@ -118,8 +118,24 @@ def start_run(results: Path, meta: dict[str, Any]) -> Run:
     return run
 
 
-def find_finished(results: Path, fingerprint: str) -> dict[str, Any] | None:
-    """The newest earlier cell result with this fingerprint and a non-error verdict, if any."""
+def cell_result_skeleton(cell: Any, fingerprint: str, verdict: str, reason: str) -> dict[str, Any]:
+    """A cell result with no builds: a cell that never finished (``interrupted``, or ``error`` when
+    its container did not bring it back)."""
+    return {
+        "schema": SCHEMA,
+        "fingerprint": fingerprint,
+        "cell": {**cell.as_dict(), "label": cell.label},
+        "verdict": verdict,
+        "reasons": [reason],
+        "builds": {},
+        "timings": {},
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def find_finished(results: Path, fingerprint: str, verdicts: tuple[str, ...]) -> dict[str, Any] | None:
+    """The newest earlier cell result with this fingerprint and one of ``verdicts``, if any
+    (unreadable files are skipped: a result is reused only when it is whole)."""
     found = []
     for path in results.glob("*/cells/*.json"):
         if path.parent.parent.name == "latest":
@@ -128,16 +144,31 @@ def find_finished(results: Path, fingerprint: str) -> dict[str, Any] | None:
             result = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if result.get("fingerprint") == fingerprint and result.get("verdict") not in (None, "error"):
+        if isinstance(result, dict) and result.get("fingerprint") == fingerprint and result.get("verdict") in verdicts:
             found.append((result.get("finished_at", ""), result))
     return max(found, key=lambda item: item[0])[1] if found else None
+
+
+def read_result_file(path: Path, required: tuple[str, ...]) -> dict[str, Any]:
+    """One JSON file of a results store, whole and of this suite, or a one-line ResultsError."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ResultsError(f"{path}: cannot read: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ResultsError(f"{path}: truncated or not JSON ({exc}); re-run the cell or delete the file") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or any(k not in data for k in required):
+        missing = [k for k in required if not isinstance(data, dict) or k not in data]
+        why = f"schema {data.get('schema')!r}, expected {SCHEMA}" if isinstance(data, dict) and data.get("schema") != SCHEMA else ""
+        raise ResultsError(f"{path}: not a dsmatrix result ({why or 'missing ' + ', '.join(missing)})")
+    return data
 
 
 def load_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A run's summary and its cell results, read from disk (``path`` may be ``latest``)."""
     summary_path = path / "summary.json"
     if not summary_path.is_file():
-        raise ConfigError(f"{path}: no summary.json (run `nox -s matrix` first)")
-    summary = json.loads(summary_path.read_text())
-    cells = [json.loads((path / c["file"]).read_text()) for c in summary["cells"]]
+        raise ResultsError(f"{path}: no summary.json (run `nox -s matrix` first)")
+    summary = read_result_file(summary_path, ("run_id", "status", "cells", "patch"))
+    cells = [read_result_file(path / c["file"], ("cell", "verdict", "reasons")) for c in summary["cells"]]
     return summary, cells

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from junitparser import Error, Failure, JUnitXml, Properties, Skipped
 
+from dsmatrix import processes
 from dsmatrix.errors import RunError
 from dsmatrix.locations import suite_path
 
@@ -160,7 +161,7 @@ def _run_ranks(
         ]  # fmt: skip
         with log.open("w") as out:
             env = test_environment(python, extensions_dir, port, rank, world_size)
-            procs.append((subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ENGINE_TESTS), junit, log))
+            procs.append((processes.start(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ENGINE_TESTS), junit, log))
     deadline = time.monotonic() + timeout_s
     try:
         for proc, _, log in procs:
@@ -170,9 +171,7 @@ def _run_ranks(
                 raise RunError(f"engine tests (world size {world_size}) timed out after {timeout_s:.0f} s (log: {log})") from None
     finally:
         for proc, _, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            processes.stop(proc)
         remove_shm_buffers(port)
     for rank, (proc, junit, log) in enumerate(procs):
         if proc.returncode not in PYTEST_OK or not junit.is_file():
@@ -278,6 +277,23 @@ def outcome_dict(outcome: TestOutcome) -> dict[str, object]:
     if outcome.properties:
         data["properties"] = {k: _maybe_json(v) for k, v in outcome.properties.items()}
     return data
+
+
+def outcome_from_dict(data: Mapping[str, object] | None) -> TestOutcome | None:
+    """The inverse of ``outcome_dict`` (a stored result read back); None for a test a build did not run."""
+    if not data:
+        return None
+    observed = data.get("bug_observed")
+    properties = data.get("properties") or {}
+    return TestOutcome(
+        outcome=str(data.get("outcome", "error")),
+        bug=str(data.get("bug", "")),
+        message=str(data.get("message", "")),
+        duration_s=float(data.get("duration_s", 0.0)),  # type: ignore[arg-type]
+        properties={k: v if isinstance(v, str) else json.dumps(v) for k, v in properties.items()},  # type: ignore[union-attr]
+        observed="" if observed is None else observed if isinstance(observed, str) else json.dumps(observed),
+        reference=str(data.get("reference", "")),
+    )
 
 
 def _maybe_json(value: str) -> object:

@@ -8,9 +8,12 @@
 - ``undetected``: a bug test passes on stock: the test cannot see the bug in this cell.
 - ``error``: install, build or run failure, a stock failure that is not the bug (a harness
   assertion, an exception), or results that cannot be compared.
+- ``interrupted``: the run was stopped before the cell finished (never reused).
 
-Evidence discipline: a stock bug test counts as "the bug was seen" only when it failed through
-``bug_observed`` (it recorded the measured figures); any other stock failure is not evidence.
+Evidence discipline: a stock bug test counts as "the bug was seen" only when it failed (a test
+failure, not a pytest error) through ``bug_observed`` (it recorded the measured figures); any
+other stock failure is not evidence. ``test_state`` applies the same rule to one test, for the
+report's grid: this module is the only place verdict states are derived.
 A test is applicable when it was not skipped. Skips must agree between the builds.
 """
 
@@ -22,8 +25,9 @@ from dataclasses import dataclass
 
 from dsmatrix.run import TestOutcome
 
-FIXED, NOT_FIXED, UNDETECTED, ERROR = "fixed", "not-fixed", "undetected", "error"
-VERDICTS = (FIXED, NOT_FIXED, UNDETECTED, ERROR)
+FIXED, NOT_FIXED, UNDETECTED, ERROR, INTERRUPTED = "fixed", "not-fixed", "undetected", "error", "interrupted"
+VERDICTS = (FIXED, NOT_FIXED, UNDETECTED, ERROR, INTERRUPTED)
+TEST_STATES = ("fixed", "ok", "broken", "differs", "harness", "unseen", "skipped", "absent")
 BEHAVIOUR = "behaviour"  # the property a reference test records its gathers and releases in
 
 
@@ -68,6 +72,37 @@ def _listing(value: object) -> list[str]:
     return [f"step {n + 1}: {line}" for n, step in enumerate(value) for line in (step if isinstance(step, list) else [step])]
 
 
+def is_evidence(stock: TestOutcome) -> bool:
+    """A stock bug test that saw the bug: it failed through ``bug_observed``."""
+    return bool(stock.bug) and stock.outcome == "failed" and bool(stock.observed)
+
+
+def test_state(stock: TestOutcome | None, patched: TestOutcome | None) -> str:
+    """What one test's stock/patched pair says (one of ``TEST_STATES``): ``fixed`` (bug seen on
+    stock, gone on patched), ``ok`` (a control or reference test passing on both, behaviour as
+    stock), ``broken`` (patched fails, or a control fails on stock), ``differs`` (patched gathers
+    or releases differently from stock), ``harness`` (stock failed without observing the bug: not
+    evidence), ``unseen`` (a bug test passing on stock), ``skipped``, ``absent``."""
+    if stock is None or patched is None:
+        return "absent"
+    if patched.outcome in ("failed", "error"):
+        return "broken"
+    if "skipped" in (stock.outcome, patched.outcome):
+        return "skipped"
+    if not stock.bug:
+        if stock.outcome != "passed":
+            return "broken"
+        if stock.reference and behaviour_difference(stock, patched) not in ("", "no behaviour recorded"):
+            return "differs"
+        return "ok"
+    if stock.outcome == "passed":
+        return "unseen"
+    return "fixed" if is_evidence(stock) else "harness"
+
+
+test_state.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
+
+
 def cell_verdict(stock: Mapping[str, TestOutcome], patched: Mapping[str, TestOutcome]) -> Verdict:
     """Compare one cell's two test runs."""
     if set(stock) != set(patched):
@@ -96,7 +131,7 @@ def cell_verdict(stock: Mapping[str, TestOutcome], patched: Mapping[str, TestOut
     differing = [(t, d) for t in references if (d := behaviour_difference(stock[t], patched[t]))]
     if differing:
         return Verdict(NOT_FIXED, tuple(f"patched behaves differently from stock where stock is right: {t}: {d}" for t, d in differing))
-    not_evidence = [t for t in bug_tests if stock[t].outcome != "passed" and not stock[t].observed]
+    not_evidence = [t for t in bug_tests if stock[t].outcome != "passed" and not is_evidence(stock[t])]
     if not_evidence:
         return Verdict(
             ERROR,

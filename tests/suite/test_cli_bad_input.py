@@ -1,4 +1,4 @@
-"""Bad input: one clear line on stderr naming the problem, exit 2, and nothing written."""
+"""Bad input: one clear line on stderr naming the problem, the error's own exit code, and nothing written."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from conftest import FIXTURES, run_cli
 COORDINATOR = "deepspeed/runtime/zero/partitioned_param_coordinator.py"
 
 
-def check_one_line_error(tmp_path: Path, *args: str, expect: str) -> None:
+def check_one_line_error(tmp_path: Path, *args: str, expect: str, code: int = 2) -> None:
     results = tmp_path / "results"
     proc = run_cli("matrix", "--results", str(results), *args, cwd=tmp_path, timeout=600)
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == code, proc.stderr
     assert len(lines) == 1 and lines[0].startswith("dsmatrix: error: "), proc.stderr
     assert expect in lines[0], lines[0]
     assert not results.exists(), "bad input must not leave a results folder"
@@ -28,7 +28,7 @@ def test_malformed_matrix_file(tmp_path: Path) -> None:
 
 def test_missing_interpreter(tmp_path: Path) -> None:
     args = ("--python", "3.99", "--torch", "2.9.1", "--deepspeed", "0.19.8")
-    check_one_line_error(tmp_path, *args, expect="Python 3.99: no interpreter found")
+    check_one_line_error(tmp_path, *args, expect="Python 3.99: no interpreter found", code=5)
 
 
 def test_selection_that_only_hits_excluded_cells(tmp_path: Path) -> None:
@@ -36,15 +36,17 @@ def test_selection_that_only_hits_excluded_cells(tmp_path: Path) -> None:
 
 
 def test_unknown_torch_version(tmp_path: Path) -> None:
-    check_one_line_error(tmp_path, "--torch", "9.9.9", "--deepspeed", "0.19.8", expect="torch==9.9.9 for Python 3.11: not installable here")
+    check_one_line_error(
+        tmp_path, "--torch", "9.9.9", "--deepspeed", "0.19.8", expect="torch==9.9.9 for Python 3.11: not installable here", code=4
+    )
 
 
 def test_unknown_deepspeed_version(tmp_path: Path) -> None:
-    check_one_line_error(tmp_path, "--deepspeed", "0.19.99", expect="DeepSpeed 0.19.99: sdist not downloadable")
+    check_one_line_error(tmp_path, "--deepspeed", "0.19.99", expect="DeepSpeed 0.19.99: sdist not downloadable", code=4)
 
 
 def test_deepspeed_version_without_a_diff(tmp_path: Path) -> None:
-    check_one_line_error(tmp_path, "--deepspeed", "0.13.1", expect="DeepSpeed 0.13.1: no diff covers it")
+    check_one_line_error(tmp_path, "--deepspeed", "0.13.1", expect="DeepSpeed 0.13.1: no diff covers it", code=6)
 
 
 def test_patch_that_does_not_apply(tmp_path: Path) -> None:
@@ -56,7 +58,12 @@ def test_patch_that_does_not_apply(tmp_path: Path) -> None:
         "--deepspeed",
         "0.19.2",
         expect=f"DeepSpeed 0.19.2: deepspeed-0.19.3-and-later.diff does not apply: {COORDINATOR} hunk #",
+        code=7,
     )
+
+
+def test_missing_patch(tmp_path: Path) -> None:
+    check_one_line_error(tmp_path, "--patch", "no/such/patch.diff", expect="neither a diff file nor a folder", code=6)
 
 
 @pytest.mark.parametrize(
@@ -64,7 +71,6 @@ def test_patch_that_does_not_apply(tmp_path: Path) -> None:
     [
         ["--tier", "weekly"],
         ["--dtype", "fp16"],
-        ["--patch", "no/such/patch.diff"],
         ["--bench", "--max-rounds", "2"],
         ["--bench", "--bench-minutes", "0"],
         ["--bench", "--instructions-margin", "-0.01"],

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dsmatrix.builds import fetch_sdist, unpack_sdist
-from dsmatrix.cli import default_cache
+from dsmatrix.cache import Cache, default_root
 from dsmatrix.errors import PatchDoesNotApply, PatchError
 from dsmatrix.patches import apply_diff, load_patch_set
 
@@ -98,7 +98,7 @@ def test_malformed_patch_sets(tmp_path: Path) -> None:
 def test_bundled_diffs_apply_to_real_releases(repo: Path, version: str) -> None:
     """The real sdist from the package index, patched exactly as a build patches it."""
     patch = load_patch_set(repo / "patches" / "zero3-release-cache")
-    sdist = fetch_sdist(version, default_cache())
+    sdist = fetch_sdist(version, Cache(default_root()))
     with tempfile.TemporaryDirectory() as tmp:
         src = unpack_sdist(sdist, Path(tmp))
         apply_diff(patch.diff_for(version), src, version)

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from dsmatrix.cache import Cache
 from dsmatrix.cells import Cell, Selection
 from dsmatrix.errors import DiskSpaceError
 from dsmatrix.patches import load_patch_set
-from dsmatrix.pipeline import GIB, check_disk, engine_tests_digest, fingerprint
+from dsmatrix.pipeline import GIB, check_disk, fingerprint, suite_digest
 from dsmatrix.run import remove_shm_buffers
 
 Usage = namedtuple("Usage", "total used free")
@@ -20,19 +21,19 @@ def test_disk_check_refuses_a_run_that_does_not_fit(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(100 * GIB, 98 * GIB, 2 * GIB))
     cuda = Selection((Cell("3.12", "2.9.1", "0.19.8"),), RUNTIME)
     with pytest.raises(DiskSpaceError, match=r"need about 7\.2 GiB \(1 new torch set\(s\)\), only 2\.0 GiB free"):
-        check_disk(cuda, tmp_path)
-    (tmp_path / "builders" / "py3.12-torch2.9.1").mkdir(parents=True)  # that torch set is cached already
-    assert check_disk(cuda, tmp_path) == pytest.approx(0.2)
+        check_disk(cuda, Cache(tmp_path))
+    (tmp_path / "builders" / "py3.12-torch2.9.1-abc" / "bin" / "python").mkdir(parents=True)  # that torch set is cached already
+    assert check_disk(cuda, Cache(tmp_path)) == pytest.approx(0.2)
 
 
 def test_fingerprint_follows_versions_runtime_patch_and_suite(repo: Path) -> None:
     patch = load_patch_set(repo / "patches" / "zero3-release-cache")
     cell = Cell("3.11", "2.13.0+cpu", "0.19.8")
     runtime = {axis: list(v) for axis, v in RUNTIME.items()}
-    base = fingerprint(cell, runtime, patch, engine_tests_digest())
-    assert base == fingerprint(cell, runtime, patch, engine_tests_digest())
-    assert base != fingerprint(Cell("3.11", "2.13.0+cpu", "0.19.2"), runtime, patch, engine_tests_digest())
-    assert base != fingerprint(cell, {**runtime, "world_size": ["1", "2"]}, patch, engine_tests_digest())
+    base = fingerprint(cell, runtime, patch, suite_digest())
+    assert base == fingerprint(cell, runtime, patch, suite_digest())
+    assert base != fingerprint(Cell("3.11", "2.13.0+cpu", "0.19.2"), runtime, patch, suite_digest())
+    assert base != fingerprint(cell, {**runtime, "world_size": ["1", "2"]}, patch, suite_digest())
     assert base != fingerprint(cell, runtime, patch, "another test suite")
 
 
@@ -79,13 +80,13 @@ def test_stock_results_are_run_once_and_reused(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(pipeline, "run_engine_tests", fake_run)
     cell = Cell("3.11", "2.13.0+cpu", "0.19.8")
     build = pipeline.PreparedBuild(tmp_path / "python", tmp_path / "ext", "w.whl", {"wheel_sha256": "ab" * 32}, {}, [])
-    first, reused = pipeline.stock_tests(cell, build, dict(RUNTIME), tmp_path / "cache", tmp_path / "run1" / "raw", reuse=True)
+    first, reused = pipeline.stock_tests(cell, build, dict(RUNTIME), Cache(tmp_path / "cache"), tmp_path / "run1" / "raw", reuse=True)
     assert reused == "" and len(calls) == 1
-    second, reused = pipeline.stock_tests(cell, build, dict(RUNTIME), tmp_path / "cache", tmp_path / "run2" / "raw", reuse=True)
+    second, reused = pipeline.stock_tests(cell, build, dict(RUNTIME), Cache(tmp_path / "cache"), tmp_path / "run2" / "raw", reuse=True)
     assert reused == "run1" and len(calls) == 1
     assert second.outcomes == first.outcomes and second.outcomes["test_retrace::test_a[fp32-ckpt-off]@ws1"].observed
     assert all(p.parent == tmp_path / "run2" / "raw" and p.is_file() for p in (*second.junits, *second.logs))
-    pipeline.stock_tests(cell, build, dict(RUNTIME), tmp_path / "cache", tmp_path / "run3" / "raw", reuse=False)
+    pipeline.stock_tests(cell, build, dict(RUNTIME), Cache(tmp_path / "cache"), tmp_path / "run3" / "raw", reuse=False)
     other = pipeline.PreparedBuild(tmp_path / "python", tmp_path / "ext", "w.whl", {"wheel_sha256": "cd" * 32}, {}, [])
-    pipeline.stock_tests(cell, other, dict(RUNTIME), tmp_path / "cache", tmp_path / "run4" / "raw", reuse=True)
+    pipeline.stock_tests(cell, other, dict(RUNTIME), Cache(tmp_path / "cache"), tmp_path / "run4" / "raw", reuse=True)
     assert len(calls) == 3

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from stores import ARM_FIXED, ERRORED, EXCLUDED, FIXED, NOT_FIXED, PATCH, benchmarks, cell, pair, store
 
-from dsmatrix.errors import ConfigError
+from dsmatrix.errors import ConfigError, ResultsError
 from dsmatrix.report import SCHEMA_FILE, load_report, write_report
 
 
@@ -163,7 +163,7 @@ def test_stores_of_different_patches_are_refused_in_one_line(tmp_path: Path) -> 
 def test_a_store_without_results_is_one_line(tmp_path: Path, make: str) -> None:
     if make == "empty":
         (tmp_path / "results").mkdir()
-    with pytest.raises(ConfigError, match="results"):
+    with pytest.raises(ResultsError, match="results"):
         write_report([tmp_path / "results"], tmp_path / "reports")
 
 

@@ -1,0 +1,260 @@
+"""A matrix run: plan it (inputs checked, results to reuse found), then run its cells here or in
+their platform's image, recording each as soon as it finishes.
+
+Resume rule: a finished cell result is reused only when its fingerprint matches (cell, runtime
+axes, patch, host and the suite's own code, ``suite_digest``) and its verdict is final. ``fixed``
+and ``not-fixed`` are final: both builds ran and were compared. ``undetected``, ``error`` and
+``interrupted`` are not: they say the suite could not decide, so they always run again.
+``--rerun-failed`` reuses ``fixed`` only; ``--fresh`` reuses nothing (stock test results neither).
+
+Interrupts: SIGINT and SIGTERM stop every child's process group (``processes``), record the cell
+that was running as ``interrupted``, write the summary with status ``interrupted`` and exit 130.
+A run killed outright (SIGKILL) leaves its groups to the next run, which stops them
+(``Cache.open``); its finished cells are on disk already.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsmatrix.bench import REGRESSION, BenchOptions
+from dsmatrix.cache import Cache
+from dsmatrix.cells import Cell, Selection
+from dsmatrix.hosts import native_platform
+from dsmatrix.images import build_image, docker_engine, ensure_emulation, image_for, run_in_image
+from dsmatrix.locations import image_source_tree
+from dsmatrix.patches import PatchSet
+from dsmatrix.pipeline import add_benchmarks, cache_size, check_disk, check_patch, fingerprint, preflight, run_cell, suite_digest
+from dsmatrix.results import Run, cell_result_skeleton, find_finished, import_cells, start_run
+from dsmatrix.verdict import ERROR, FIXED, INTERRUPTED, NOT_FIXED, exit_code
+
+FINAL = (FIXED, NOT_FIXED)  # verdicts a resumed run reuses (see the module docstring)
+RESUME = {"finished": FINAL, "fixed-only": (FIXED,), "none": ()}
+INTERRUPTED_EXIT = 130
+
+
+@dataclass(frozen=True)
+class MatrixOptions:
+    """Everything a matrix run needs, resolved once from the command line."""
+
+    tier: str
+    matrix: Path
+    patch: PatchSet | None  # None only for --plan
+    results: Path
+    cache: Cache
+    selection: Selection
+    root: Path | None = None
+    resume: str = "finished"  # a key of RESUME
+    in_image: bool = False
+    base_image: str | None = None
+    bench: BenchOptions | None = None
+    image_argv: tuple[str, ...] = ()  # selection arguments handed on to an image's own run
+
+
+@dataclass
+class Plan:
+    """Where each cell runs, its fingerprint, and the results it can reuse."""
+
+    hosts: dict[Cell, str]
+    prints: dict[Cell, str]
+    reusable: dict[Cell, dict[str, Any]]
+    need_gib: float = 0.0
+    todo: list[Cell] = field(default_factory=list)
+
+    @property
+    def image_platforms(self) -> list[str]:
+        return sorted({c.platform for c in self.todo if self.hosts[c] != "local"})
+
+
+def host_of(cell: Cell, in_image: bool) -> str:
+    """Where a cell runs: ``local``, or ``image:<name>`` for its platform's container image."""
+    if cell.platform == native_platform() and not in_image:
+        return "local"
+    return f"image:{image_for(cell.platform).name}"
+
+
+def plan_run(options: MatrixOptions) -> Plan:
+    """Fingerprints, reusable results and every input check; raises a one-line FatalError before anything is written."""
+    selection = options.selection
+    runtime = {a: list(v) for a, v in selection.runtime.items()}
+    suite = suite_digest()
+    hosts = {cell: host_of(cell, options.in_image) for cell in selection.cells}
+    prints = {cell: fingerprint(cell, runtime, options.patch, suite, hosts[cell]) for cell in selection.cells}
+    final = RESUME[options.resume]
+    reusable = {c: r for c in selection.cells if final and (r := find_finished(options.results, prints[c], final)) is not None}
+    todo = [c for c in selection.cells if c not in reusable]
+    plan = Plan(hosts, prints, reusable, todo=todo)
+    local = Selection(tuple(c for c in todo if hosts[c] == "local"), selection.runtime)
+    preflight(local, options.patch, options.cache)
+    check_patch({c.deepspeed for c in todo}, options.patch, options.cache)  # also for cells that run in an image
+    plan.need_gib = check_disk(local, options.cache)
+    for platform in plan.image_platforms:
+        cells = tuple(c for c in todo if c.platform == platform and hosts[c] != "local")
+        plan.need_gib += check_disk(Selection(cells, selection.runtime), options.cache.in_image(image_for(platform).name))
+    if plan.image_platforms:
+        image_source_tree(options.root)  # images need the suite's source tree: say so before anything runs
+    return plan
+
+
+@dataclass
+class Outcome:
+    """What a finished (or interrupted) run did."""
+
+    run: Run
+    verdicts: list[str]
+    interrupted: bool
+
+    @property
+    def exit_code(self) -> int:
+        if self.interrupted:
+            return INTERRUPTED_EXIT
+        throughput = [(c.get("benchmarks") or {}).get("verdict") for c in self.run.cells]
+        return exit_code(self.verdicts) or (1 if REGRESSION in throughput else 0)
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM: the run stops, keeping what it finished."""
+
+
+@contextlib.contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """SIGINT and SIGTERM raise ``Interrupted`` once; further signals are ignored while the run cleans up."""
+
+    def handler(signum: int, frame: object) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise Interrupted(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+Printer = Callable[[Cell, dict[str, Any]], None]
+
+
+def run_matrix(options: MatrixOptions, plan: Plan, say: Printer, meta: Mapping[str, Any]) -> Outcome:
+    """Run the planned cells: reused ones recorded (and benchmarked anew when asked), local ones
+    here, the rest in their platform's image; ``say`` prints each finished cell."""
+    selection = options.selection
+    run = start_run(options.results, dict(meta))
+    print(
+        f"dsmatrix: run {run.id}: {len(selection.cells)} cell(s) ({len(plan.reusable)} already done), "
+        f"{len(selection.excluded)} excluded; patch {options.patch.source.name} ({options.patch.short}); "
+        f"uv cache {cache_size()}, this run may add ~{plan.need_gib:.1f} GiB; results in {run.root}",
+        flush=True,
+    )
+    outcome = Outcome(run, [], interrupted=False)
+    current: list[Cell] = []
+    with interrupts_raise():
+        try:
+            for orphan in options.cache.open():
+                print(f"dsmatrix: stopped a process group left by a killed run: {' '.join(orphan['command'])[:120]}", flush=True)
+            for cell in selection.cells:
+                current[:] = [cell]
+                if cell in plan.reusable:
+                    result = _reused(options, plan, cell, run)
+                elif plan.hosts[cell] == "local":
+                    print(f"{cell.label}: running ...", flush=True)
+                    result = run_cell(
+                        cell, selection, options.patch, options.cache, run, plan.prints[cell], options.bench, options.resume != "none"
+                    )
+                else:
+                    continue  # runs with the other cells of its image, below
+                run.add_cell(result)
+                outcome.verdicts.append(result["verdict"])
+                say(cell, result)
+            current.clear()
+            if plan.image_platforms:
+                with _images_ready(plan.image_platforms, options) as client:
+                    for platform in plan.image_platforms:
+                        cells = [c for c in plan.todo if c.platform == platform and plan.hosts[c] != "local"]
+                        current[:] = cells
+                        outcome.verdicts += _run_image_cells(options, client, platform, cells, plan.prints, run, say)
+                        current.clear()
+        except (Interrupted, KeyboardInterrupt) as exc:
+            outcome.interrupted = True
+            done = {c["cell"]["id"] for c in run.cells}
+            for cell in (c for c in current if c.id not in done):
+                result = cell_result_skeleton(
+                    cell, plan.prints[cell], INTERRUPTED, f"interrupted ({exc or 'SIGINT'}) before this cell finished"
+                )
+                run.add_cell(result)
+                outcome.verdicts.append(INTERRUPTED)
+            run.write_summary("interrupted")
+            print(f"dsmatrix: interrupted; {len(done)} finished cell(s) kept in {run.root}", file=sys.stderr, flush=True)
+            return outcome
+    run.write_summary("complete")
+    return outcome
+
+
+def _reused(options: MatrixOptions, plan: Plan, cell: Cell, run: Run) -> dict[str, Any]:
+    found = plan.reusable[cell]
+    result = {**found, "reused_from": found.get("reused_from") or found["run_id"]}
+    print(f"{cell.label}: reused the result of run {result['reused_from']} (--fresh re-runs it)", flush=True)
+    if options.bench and plan.hosts[cell] == "local":  # measured anew: a benchmark is of its moment
+        print(f"{cell.label}: benchmarks ...", flush=True)
+        result = add_benchmarks(result, cell, options.selection, options.patch, options.cache, run, options.bench)
+    return result
+
+
+@contextlib.contextmanager
+def _images_ready(platforms: list[str], options: MatrixOptions) -> Iterator[Any]:
+    """A docker client with an up-to-date image for every platform in ``platforms``."""
+    with docker_engine(options.cache.docker) as client:
+        for platform in platforms:
+            ensure_emulation(platform)
+            # always built: docker's layer cache makes an unchanged image seconds, a changed Dockerfile is never stale
+            build_image(client, image_for(platform), options.base_image, options.cache.images())
+        yield client
+
+
+def _run_image_cells(
+    options: MatrixOptions, client: Any, platform: str, cells: list[Cell], prints: dict[Cell, str], run: Run, say: Printer
+) -> list[str]:
+    """Run ``cells`` inside ``platform``'s image and import each finished one into ``run``.
+
+    A cell that does not come back (the container failed or was stopped) becomes an ``error``
+    cell naming the image and its last line; an interrupt keeps every cell that finished.
+    """
+    spec = image_for(platform)
+    image = client.images.get(spec.tag)
+    staging = options.cache.images(spec.name) / f"results-{run.id}"
+    argv = [*options.image_argv, "--platform", platform, "--fresh"] + [f"--only={c.id}" for c in cells]
+    print(f"dsmatrix: {len(cells)} cell(s) in {spec.tag} ({platform}) ...", flush=True)
+    started = time.monotonic()
+    by_id = {c.id: c for c in cells}
+    facts = {"image": {"tag": spec.tag, "id": image.id, "platform": platform}}
+    code, last = INTERRUPTED_EXIT, "interrupted"
+    verdicts: list[str] = []
+
+    def finish(result: dict[str, Any]) -> dict[str, Any]:
+        cell = by_id.pop(result["cell"]["id"])
+        say(cell, result)
+        verdicts.append(result["verdict"])  # below: the fingerprint as this host computes it, for reuse
+        return {**result, **facts, "fingerprint": prints[cell], "container_wall_s": round(time.monotonic() - started, 1)}
+
+    try:
+        source = image_source_tree(options.root)
+        code, last = run_in_image(client, spec, argv, staging, options.cache.root, source, options.matrix, options.patch.source)
+    finally:
+        import_cells(staging, run, finish, seen_as=Path("/results"))
+        shutil.rmtree(staging, ignore_errors=True)
+    for cell in by_id.values():  # never came back
+        reason = f"{spec.tag}: `nox -s matrix` inside exited {code} before this cell finished: {last}"
+        result = {**cell_result_skeleton(cell, prints[cell], ERROR, reason), **facts, "error_kind": "HostError"}
+        run.add_cell(result)
+        say(cell, result)
+        verdicts.append(ERROR)
+    return verdicts

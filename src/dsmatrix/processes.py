@@ -1,0 +1,149 @@
+"""Child processes, each in a process group of its own, stopped as a whole.
+
+Every child (uv, pip's wheel build, pytest ranks, valgrind, dockerd) starts a new session, so
+stopping it signals the whole group: torch's JIT build runs ninja and g++ as grandchildren, and
+killing only the direct child leaves them running. A group is also written down in the cache's
+``processes/`` folder with its owner's pid and start time; a run killed with SIGKILL cannot stop
+its groups, so the next run does (``stop_orphans``) once it sees the owner is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+_registry: Path | None = None
+
+
+def track_in(folder: Path | None) -> None:
+    """Write every group this process starts into ``folder`` (None: do not write them down)."""
+    global _registry
+    _registry = folder
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+
+
+def start_time(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot), None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def alive(pid: int, started: int | None) -> bool:
+    """Whether ``pid`` is still the process that started at ``started`` (pids are reused)."""
+    return started is not None and start_time(pid) == started
+
+
+def _record(proc: subprocess.Popen[Any], command: Sequence[str]) -> Path | None:
+    if _registry is None:
+        return None
+    entry = _registry / f"{proc.pid}.json"
+    me = os.getpid()
+    data = {"owner": me, "owner_start": start_time(me), "leader": proc.pid, "leader_start": start_time(proc.pid), "command": list(command)}
+    entry.write_text(json.dumps(data))
+    return entry
+
+
+def stop_group(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
+    """SIGTERM the child's group, then SIGKILL whatever is left of it after ``grace_s``; reap the child."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        if not _group_alive(proc.pid):
+            return
+        deadline = time.monotonic() + wait
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not _group_alive(proc.pid):
+            return
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_entries: dict[int, Path] = {}
+
+
+def start(command: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
+    """``Popen(command)`` in a new process group, written down; end it with ``stop``."""
+    proc = subprocess.Popen(list(command), start_new_session=True, **popen)
+    entry = _record(proc, command)
+    if entry is not None:
+        _entries[proc.pid] = entry
+    return proc
+
+
+def stop(proc: subprocess.Popen[Any]) -> None:
+    """Stop whatever is left of the child's group (nothing, when it exited with its children) and reap it."""
+    if proc.poll() is None or _group_alive(proc.pid):
+        stop_group(proc)
+    entry = _entries.pop(proc.pid, None)
+    if entry is not None:
+        entry.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def group(command: Sequence[str], **popen: Any) -> Iterator[subprocess.Popen[Any]]:
+    """``start(command)``; on leaving, ``stop`` it."""
+    proc = start(command, **popen)
+    try:
+        yield proc
+    finally:
+        stop(proc)
+
+
+def run(command: Sequence[str], timeout: float | None = None, input: str | None = None, **popen: Any) -> subprocess.CompletedProcess[Any]:
+    """``subprocess.run`` in a new process group: a timeout or an interrupt stops the whole group.
+
+    Raises ``subprocess.TimeoutExpired`` as ``subprocess.run`` does."""
+    if popen.pop("capture_output", False):
+        popen.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if input is not None:
+        popen["stdin"] = subprocess.PIPE
+    with group(command, **popen) as proc:
+        stdout, stderr = proc.communicate(input=input, timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def stop_orphans(folder: Path) -> list[dict[str, Any]]:
+    """Stop the groups that runs no longer alive left behind; returns what was stopped.
+
+    A group is an orphan when its owner is gone; it is signalled only while its leader is
+    still the process that was written down (or, leader gone, while its group has members)."""
+    stopped = []
+    for entry in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            data = json.loads(entry.read_text())
+        except (OSError, ValueError):
+            entry.unlink(missing_ok=True)
+            continue
+        if alive(data["owner"], data["owner_start"]):
+            continue
+        leader = int(data["leader"])
+        if alive(leader, data["leader_start"]) or (start_time(leader) is None and _group_alive(leader)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(leader, signal.SIGKILL)
+            stopped.append(data)
+        entry.unlink(missing_ok=True)
+    return stopped
