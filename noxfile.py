@@ -11,6 +11,7 @@ import nox
 
 sys.path.insert(0, str(Path(__file__).parent / "src"))
 from dsmatrix.cells import Cell, all_cells  # noqa: E402
+from dsmatrix.errors import FatalError  # noqa: E402
 from dsmatrix.matrix import load_matrix  # noqa: E402
 
 nox.needs_version = ">=2024.3.2"
@@ -18,7 +19,20 @@ nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 DRIVER_PYTHON = "3.11"
-MATRIX = load_matrix(Path(__file__).parent / "matrix" / "matrix.toml")
+MATRIX_FILE = Path(__file__).parent / "matrix" / "matrix.toml"
+
+
+def _load_cells() -> list[Cell]:
+    """The cells of the project's matrix file for one session each. A malformed file must not break
+    every session (tests, lint): it lists no cell sessions and says why in one line; ``nox -s matrix``
+    then reports the exact error."""
+    try:
+        return all_cells(load_matrix(MATRIX_FILE))
+    except FatalError as exc:
+        print(f"noxfile: error: {exc} (no per-cell sessions listed)", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - nox's own environment may lack jsonschema: the CLI checks the file fully
+        print(f"noxfile: error: {MATRIX_FILE}: cannot be read ({type(exc).__name__}: {exc}); `nox -s matrix` says more", file=sys.stderr)
+    return []
 
 
 @nox.session(python=DRIVER_PYTHON)
@@ -43,7 +57,7 @@ def _cell_session(cell: Cell) -> None:
     nox.session(python=DRIVER_PYTHON, name=cell.label, default=False)(run_one_cell)
 
 
-for _cell in all_cells(MATRIX):
+for _cell in _load_cells():
     _cell_session(_cell)
 
 

@@ -100,10 +100,9 @@ def _wanted(args: argparse.Namespace) -> dict[str, list[str] | None]:
     return {axis: _split(getattr(args, axis)) for axis in CELL_AXES + RUNTIME_AXES}
 
 
-def _selection_argv(args: argparse.Namespace) -> list[str]:
+def _selection_argv(args: argparse.Namespace, bench: BenchOptions | None) -> list[str]:
     """The matrix arguments a host hands on to its image (everything but where inputs, results and caches go)."""
     argv = ["--tier", args.tier]
-    bench = _bench_options(args)
     if bench:
         argv += ["--bench", f"--max-rounds={bench.max_rounds}", f"--bench-minutes={bench.minutes}", f"--margin={bench.margin}"]
         argv += [f"--instructions-margin={bench.instructions_margin}", f"--leak-lifecycles={bench.lifecycles}"]
@@ -134,13 +133,9 @@ def print_plan(selection: Selection, as_json: bool) -> None:
     print(f"{len(selection.cells)} cell(s), {len(selection.excluded)} excluded; runtime axes: {runtime}")
 
 
-# Tiers that check correctness only unless --bench is given; every other tier benchmarks by default.
-QUICK_TIERS = ("default", "smoke")
-
-
-def _bench_options(args: argparse.Namespace) -> BenchOptions | None:
-    """Benchmarks run when asked for, and by default in every tier but the quick ones."""
-    wanted = args.bench if args.bench is not None else args.tier not in QUICK_TIERS
+def _bench_options(args: argparse.Namespace, tier_benchmarks: bool = True) -> BenchOptions | None:
+    """Benchmarks run when asked for, and by default in tiers whose ``benchmarks`` is not false."""
+    wanted = args.bench if args.bench is not None else tier_benchmarks
     if args.max_rounds < 3:
         raise ConfigError(f"--max-rounds {args.max_rounds}: the sequential rule needs at least 3 rounds")
     positive = {"--bench-minutes": args.bench_minutes, "--margin": args.margin, "--instructions-margin": args.instructions_margin}
@@ -180,6 +175,7 @@ def matrix_options(args: argparse.Namespace) -> MatrixOptions:
     matrix_file = (args.matrix or default_matrix(root)).resolve()
     matrix = load_matrix(matrix_file)
     selection = _select(matrix, args)
+    bench = _bench_options(args, matrix.tier(args.tier).benchmarks)
     return MatrixOptions(
         tier=args.tier,
         matrix=matrix_file,
@@ -191,8 +187,8 @@ def matrix_options(args: argparse.Namespace) -> MatrixOptions:
         resume=_resume(args),
         in_image=args.in_image,
         base_image=args.base_image,
-        bench=_bench_options(args),
-        image_argv=tuple(_selection_argv(args)),
+        bench=bench,
+        image_argv=tuple(_selection_argv(args, bench)),
     )
 
 

@@ -124,40 +124,129 @@ def _docker_errors() -> Iterator[None]:
 
 @contextlib.contextmanager
 def docker_engine(state_dir: Path) -> Iterator[Any]:
-    """A docker client; starts a daemon when none answers and stops exactly that one on exit."""
+    """A docker client. An engine that answers and was not started by this suite is used as it is.
+    Otherwise the suite's own daemon is shared between runs: under ``state_dir/daemon.lock`` a run
+    starts it when none answers and registers itself in ``state_dir/users/``; on leaving, the last
+    registered run still alive stops it. A run killed outright leaves its entry, which the next
+    run sees is dead and drops."""
+    from filelock import FileLock
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(state_dir / "daemon.lock"))
+    me = _register_user(state_dir)
+    try:
+        with lock:
+            client = _answering_client()
+            if client is None:
+                client = _start_daemon(state_dir)
+            elif not _ours(state_dir):  # an engine the suite did not start: use it, stop nothing
+                _unregister_user(me)
+        with _docker_errors():
+            yield client
+    finally:
+        with lock:
+            _unregister_user(me)
+            if _ours(state_dir) and not _live_users(state_dir):
+                _stop_daemon(state_dir)
+
+
+def _answering_client() -> Any | None:
     import docker
 
     try:
         client = _client()
         client.ping()
     except docker.errors.DockerException:
-        client = None
-    if client is not None:  # an engine answers: use it, start and stop nothing
-        with _docker_errors():
-            yield client
-        return
+        return None
+    return client
+
+
+def _register_user(state_dir: Path) -> Path:
+    from dsmatrix.processes import start_time
+
+    users = state_dir / "users"
+    users.mkdir(parents=True, exist_ok=True)
+    entry = users / f"{os.getpid()}.json"
+    entry.write_text(json.dumps({"pid": os.getpid(), "start": start_time(os.getpid())}))
+    return entry
+
+
+def _unregister_user(entry: Path) -> None:
+    entry.unlink(missing_ok=True)
+
+
+def _live_users(state_dir: Path) -> list[int]:
+    """The runs registered as users of the suite's daemon that are still alive (dead entries dropped)."""
+    from dsmatrix.processes import alive
+
+    live = []
+    for entry in sorted((state_dir / "users").glob("*.json")):
+        try:
+            data = json.loads(entry.read_text())
+        except (OSError, ValueError):
+            data = {}
+        if data and alive(int(data["pid"]), data.get("start")):
+            live.append(int(data["pid"]))
+        else:
+            entry.unlink(missing_ok=True)
+    return live
+
+
+def _ours(state_dir: Path) -> bool:
+    """Whether the suite's own daemon (``state_dir/daemon.json``) is running."""
+    from dsmatrix.processes import alive
+
+    try:
+        data = json.loads((state_dir / "daemon.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return alive(int(data["pid"]), data.get("start"))
+
+
+def _start_daemon(state_dir: Path) -> Any:
+    from dsmatrix.processes import start_time
+
     if shutil.which("dockerd") is None:
         install_debian_packages(["docker.io"], "no docker engine answers and dockerd is not installed", DockerUnavailable)
     dockerd = shutil.which("dockerd")
     if dockerd is None:
         raise DockerUnavailable("no docker engine answers and docker.io installed no dockerd")
-    state_dir.mkdir(parents=True, exist_ok=True)
     log = state_dir / "dockerd.log"
     cmd = [dockerd, "--bridge=none", "--iptables=false", "--ip-masq=false", "--storage-driver=overlay2"]
-    with log.open("ab") as out:
+    with log.open("ab") as out:  # its own session, and not a child the run stops: other runs may share it
         daemon = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         client = _wait_for_engine(daemon, log)
-        print(f"dsmatrix: started dockerd (pid {daemon.pid}, log {log}); it stops when this command ends", flush=True)
-        with _docker_errors():
-            yield client
-    finally:
-        daemon.terminate()
-        try:
-            daemon.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
+    except BaseException:
+        _terminate(daemon.pid)
+        raise
+    (state_dir / "daemon.json").write_text(json.dumps({"pid": daemon.pid, "start": start_time(daemon.pid)}))
+    print(f"dsmatrix: started dockerd (pid {daemon.pid}, log {log}); the last run using it stops it", flush=True)
+    return client
+
+
+def _stop_daemon(state_dir: Path) -> None:
+    data = json.loads((state_dir / "daemon.json").read_text())
+    _terminate(int(data["pid"]))
+    (state_dir / "daemon.json").unlink(missing_ok=True)
+
+
+def _terminate(pid: int, timeout_s: float = 60.0) -> None:
+    """SIGTERM ``pid`` (dockerd stops its containers), SIGKILL after ``timeout_s``; reap it if it is our child."""
+    import signal
+
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        if not Path(f"/proc/{pid}").exists():
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _wait_for_engine(daemon: subprocess.Popen[bytes], log: Path) -> Any:
@@ -338,7 +427,7 @@ def run_in_image(
     volumes[str(cache_volume)] = {"bind": "/cache", "mode": "rw"}
     for path in _local_source_dirs(config):
         volumes[str(path)] = {"bind": str(path), "mode": "ro"}
-    environment = {"PYTHONUNBUFFERED": "1", "DSMATRIX_IMAGE": spec.tag, **dict(spec.environment)}
+    environment = {"PYTHONUNBUFFERED": "1", "DSMATRIX_IMAGE": spec.tag, "HOME": "/cache/home", **dict(spec.environment)}
     environment.update({f"PIP_{key.upper().replace('-', '_')}": value for key, value in config.items()})
     ca = host_ca_bundle()
     if ca is not None:
@@ -356,6 +445,7 @@ def run_in_image(
         mem_limit=spec.mem_limit,
         shm_size=spec.shm_size,  # DeepSpeed's CPU comm op maps 64 MiB per process: docker's default is 64 MiB in all
         init=True,
+        user=f"{os.getuid()}:{os.getgid()}",  # files it writes into the checkout and results are the user's
     )
     last = ""
     try:

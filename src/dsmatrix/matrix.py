@@ -11,8 +11,10 @@ for a platform (``[tiers.<name>.platforms."linux/arm64"]``), and rules may name 
 
 from __future__ import annotations
 
+import json
+import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -28,6 +30,7 @@ PLATFORMS = ("linux/amd64", "linux/arm64")
 AXES = CELL_AXES + RUNTIME_AXES
 RUNTIME_VALUES = {"dtype": ("fp32", "bf16"), "checkpointing": ("off", "on"), "world_size": ("1", "2")}
 COMBINATIONS = ("product", "pairwise", "listed")
+SCHEMA_FILE = Path(__file__).parent / "schemas" / "matrix.schema.json"
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class Tier:
     combination: str = "product"
     cells: tuple[tuple[str, str, str], ...] = ()  # for combination = "listed"
     platforms: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)  # per-platform values
+    benchmarks: bool = True  # whether the tier benchmarks unless --no-bench
 
     def on(self, platform: str) -> Tier:
         """This tier as it runs on ``platform`` (its per-platform values applied)."""
@@ -155,15 +159,8 @@ def _axis_values(
     return values
 
 
-def _tier(path: Path, name: str, raw: object, axes: Mapping[str, tuple[str, ...]]) -> Tier:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: tiers.{name} must be a table")
-    extra = set(raw) - set(AXES) - {"description", "combination", "cells", "platforms"}
-    if extra:
-        raise ConfigError(f"{path}: tiers.{name}: unknown key(s) {sorted(extra)}")
+def _tier(path: Path, name: str, raw: dict, axes: Mapping[str, tuple[str, ...]]) -> Tier:
     combination = raw.get("combination", "product")
-    if combination not in COMBINATIONS:
-        raise ConfigError(f"{path}: tiers.{name}.combination: {combination!r} is not one of {', '.join(COMBINATIONS)}")
     values = _axis_values(path, f"tiers.{name}", raw, axes, axes)
     platforms = {}
     for platform, override in raw.get("platforms", {}).items():
@@ -186,34 +183,75 @@ def _tier(path: Path, name: str, raw: object, axes: Mapping[str, tuple[str, ...]
             cells.append((cell[0], cell[1], cell[2]))
     elif "cells" in raw:
         raise ConfigError(f"{path}: tiers.{name}: cells only goes with combination = 'listed'")
-    return Tier(name, str(raw.get("description", "")), values, combination, tuple(cells), platforms)
+    return Tier(name, str(raw.get("description", "")), values, combination, tuple(cells), platforms, bool(raw.get("benchmarks", True)))
+
+
+def _line_of(text: str, where: Sequence[str | int]) -> int | None:
+    """The line (1-based) of the key at JSON path ``where`` in a TOML file's ``text``: the deepest
+    table header or key of the path that can be found (enough to point an editor at it)."""
+    lines = text.splitlines()
+    found, start = None, 0
+    tables = [str(p) for p in where if isinstance(p, str)]
+    for depth in range(len(tables), 0, -1):  # the longest [a.b.c] / [[a]] header that exists
+        keys = (re.escape(t) if re.match(r"^[\w-]+$", t) else f'"{re.escape(t)}"' for t in tables[:depth])
+        header = re.compile(r"^\s*\[\[?\s*" + r"\s*\.\s*".join(keys) + r"\s*\]\]?")
+        hits = [i for i, line in enumerate(lines) if header.match(line)]
+        if hits:
+            index = next((p for p in where if isinstance(p, int)), 0) if lines[hits[0]].lstrip().startswith("[[") else 0
+            start = hits[min(index, len(hits) - 1)]
+            found = start + 1
+            keys = tables[depth:]
+            break
+    else:
+        keys = tables
+    for key in keys:  # then the key itself, below that header, before the next one
+        pattern = re.compile(rf"^\s*\"?{re.escape(key)}\"?\s*=")
+        for i in range(start + (1 if found else 0), len(lines)):
+            if i > start and lines[i].lstrip().startswith("[") and found:
+                break
+            if pattern.match(lines[i]):
+                found, start = i + 1, i
+                break
+    return found
+
+
+def _validate(path: Path, text: str, data: dict) -> None:
+    """The file's structure against ``schemas/matrix.schema.json``: the first error, with its line.
+
+    jsonschema is a dependency of the package; only the noxfile, importing this module from nox's
+    own environment to list the cell sessions, may lack it (the CLI then checks the file)."""
+    try:
+        import jsonschema
+    except ImportError:
+        return
+    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA_FILE.read_text()))
+    errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    if not errors:
+        return
+    error = jsonschema.exceptions.best_match(errors) or errors[0]
+    where = list(error.absolute_path)
+    line = _line_of(text, where)
+    key = ".".join(str(p) for p in where) or "top level"
+    raise ConfigError(f"{path}{f':{line}' if line else ''}: {key}: {error.message}")
 
 
 def load_matrix(path: Path) -> Matrix:
-    """Parse and validate ``path``; every problem is a one-line ConfigError naming the key."""
+    """Parse and validate ``path``; every problem is a one-line ConfigError naming the file, line and key."""
     try:
-        data = tomllib.loads(path.read_text())
+        text = path.read_text()
+        data = tomllib.loads(text)
     except FileNotFoundError:
         raise ConfigError(f"{path}: matrix file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the matrix file: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    unknown = set(data) - {"axes", "tiers", "rules"}
-    if unknown:
-        raise ConfigError(f"{path}: unknown top-level key(s) {sorted(unknown)}")
-    raw_axes = data.get("axes")
-    if not isinstance(raw_axes, dict):
-        raise ConfigError(f"{path}: missing [axes] table")
-    if set(raw_axes) - {PLATFORM} != set(AXES):
-        raise ConfigError(f"{path}: [axes] must define exactly {', '.join(AXES)} (and may define platform); got {', '.join(raw_axes)}")
+    _validate(path, text, data)
+    raw_axes = data["axes"]
     axes = {axis: _values(path, f"axes.{axis}", raw_axes[axis]) for axis in AXES}
     platforms = _values(path, "axes.platform", raw_axes[PLATFORM]) if PLATFORM in raw_axes else PLATFORMS[:1]
-    for value in platforms:
-        check_value(PLATFORM, value, f"{path}: axes.platform")
     for axis, values in axes.items():
         for value in values:
-            check_value(axis, value, f"{path}: axes.{axis}")
-    raw_tiers = data.get("tiers")
-    if not isinstance(raw_tiers, dict) or "default" not in raw_tiers:
-        raise ConfigError(f"{path}: missing [tiers.default] table")
-    tiers = {name: _tier(path, name, raw, axes) for name, raw in raw_tiers.items()}
+            check_value(axis, value, f"{path}:{_line_of(text, ['axes', axis])}: axes.{axis}")
+    tiers = {name: _tier(path, name, raw, axes) for name, raw in data["tiers"].items()}
     return Matrix(path, axes, tiers, _rules(path, data.get("rules")), platforms)
