@@ -68,6 +68,7 @@ class Plan:
     reusable: dict[Cell, dict[str, Any]]
     need_gib: float = 0.0
     todo: list[Cell] = field(default_factory=list)
+    orphans_stopped: list[dict[str, Any]] = field(default_factory=list)  # process groups killed runs had left
 
     @property
     def image_platforms(self) -> list[str]:
@@ -82,7 +83,11 @@ def host_of(cell: Cell, in_image: bool) -> str:
 
 
 def plan_run(options: MatrixOptions) -> Plan:
-    """Fingerprints, reusable results and every input check; raises a one-line FatalError before anything is written."""
+    """Fingerprints, reusable results and every input check; raises a one-line FatalError before anything is written.
+
+    Opens the cache first: process groups that killed runs left behind are stopped before this run
+    touches an entry they may still be writing."""
+    orphans = options.cache.open()
     selection = options.selection
     runtime = {a: list(v) for a, v in selection.runtime.items()}
     suite = suite_digest()
@@ -91,7 +96,7 @@ def plan_run(options: MatrixOptions) -> Plan:
     final = RESUME[options.resume]
     reusable = {c: r for c in selection.cells if final and (r := find_finished(options.results, prints[c], final)) is not None}
     todo = [c for c in selection.cells if c not in reusable]
-    plan = Plan(hosts, prints, reusable, todo=todo)
+    plan = Plan(hosts, prints, reusable, todo=todo, orphans_stopped=orphans)
     local = Selection(tuple(c for c in todo if hosts[c] == "local"), selection.runtime)
     preflight(local, options.patch, options.cache)
     check_patch({c.deepspeed for c in todo}, options.patch, options.cache)  # also for cells that run in an image
@@ -159,7 +164,7 @@ def run_matrix(options: MatrixOptions, plan: Plan, say: Printer, meta: Mapping[s
     current: list[Cell] = []
     with interrupts_raise():
         try:
-            for orphan in options.cache.open():
+            for orphan in plan.orphans_stopped:
                 print(f"dsmatrix: stopped a process group left by a killed run: {' '.join(orphan['command'])[:120]}", flush=True)
             for cell in selection.cells:
                 current[:] = [cell]

@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,12 +25,27 @@ from dsmatrix.hosts import describe
 SCHEMA = 1
 
 
+# Fault injection (the suite's own tests): "<file name>:<n>" kills this process with SIGKILL on the
+# n-th write of that file, after the temporary file is written and before it is renamed into place.
+KILL_AT_WRITE = "DSMATRIX_KILL_AT_WRITE"
+_writes: dict[str, int] = {}
+
+
 def write_json(path: Path, data: Any) -> None:
     """Write ``data`` as JSON to ``path`` atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    _fault_point(path.name)
     os.replace(tmp, path)
+
+
+def _fault_point(name: str) -> None:
+    target, _, nth = os.environ.get(KILL_AT_WRITE, "").partition(":")
+    if target == name:
+        _writes[name] = _writes.get(name, 0) + 1
+        if str(_writes[name]) == nth:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def import_cells(

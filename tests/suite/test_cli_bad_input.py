@@ -87,3 +87,57 @@ def test_plan_lists_cells_without_running(tmp_path: Path) -> None:
     assert "matrix(py3.11, torch2.13.0+cpu, ds0.19.2)" in proc.stdout
     assert "matrix(py3.11, torch2.13.0+cpu, ds0.19.8)" in proc.stdout
     assert not (tmp_path / "results").exists()
+
+
+def test_unknown_cell_lists_the_tiers_cells(tmp_path: Path) -> None:
+    check_one_line_error(
+        tmp_path,
+        "--cell",
+        "py3.11-torch2.13.0+cpu-ds0.99.0",
+        expect="--cell py3.11-torch2.13.0+cpu-ds0.99.0: not a cell of tier default on linux/amd64 (its cells: py3.11-torch2.13.0",
+    )
+
+
+def test_fresh_and_rerun_failed_together(tmp_path: Path) -> None:
+    check_one_line_error(tmp_path, "--fresh", "--rerun-failed", expect="--fresh and --rerun-failed: choose one")
+
+
+def test_malformed_matrix_names_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "matrix.toml"
+    good = (Path(__file__).parents[2] / "matrix" / "matrix.toml").read_text()
+    bad.write_text(good.replace('dtype = ["fp32", "bf16"]', 'dtype = ["fp32", "fp16"]', 1))
+    line = next(n for n, text in enumerate(bad.read_text().splitlines(), 1) if text.startswith("dtype ="))
+    check_one_line_error(tmp_path, "--matrix", str(bad), expect=f"{bad}:{line}: axes.dtype.1: 'fp16' is not one of ['fp32', 'bf16']")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "foreign"])
+def test_report_on_a_damaged_results_file(tmp_path: Path, damage: str) -> None:
+    """A results store whose summary was cut short, or is some other tool's JSON: one line, exit 9."""
+    run = tmp_path / "results" / "20261201-000000-abcd"
+    run.mkdir(parents=True)
+    summary = run / "summary.json"
+    summary.write_text('{"schema": 1, "run_id": "x", "cells": [' if damage == "truncated" else '{"name": "not ours"}')
+    proc = run_cli("report", str(tmp_path / "results"), "--output", str(tmp_path / "reports"), cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 9 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"dsmatrix: error: {summary}: "), lines[0]
+    assert ("truncated or not JSON" if damage == "truncated" else "not a dsmatrix result") in lines[0]
+
+
+def test_malformed_project_matrix_keeps_every_nox_session_usable(tmp_path: Path) -> None:
+    """A broken matrix/matrix.toml: `nox -l` lists the sessions (none per cell) and says why in one line, no traceback."""
+    import shutil
+    import subprocess
+    import sys
+
+    checkout = Path(__file__).parents[2]
+    copy = tmp_path / "checkout"
+    shutil.copytree(checkout, copy, ignore=shutil.ignore_patterns(".nox", ".git", "results", "reports", "act-run", "__pycache__"))
+    (copy / "matrix" / "matrix.toml").write_text('[axes]\npython = ["3.11"\n')
+    proc = subprocess.run([sys.executable, "-m", "nox", "-l"], cwd=copy, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("noxfile: error:")]
+    assert len(errors) == 1 and "not valid TOML" in errors[0] and "(no per-cell sessions listed)" in errors[0], proc.stderr
+    sessions = [line.split()[1] for line in proc.stdout.splitlines() if line[:2] in ("* ", "- ")]
+    assert {"tests", "lint", "matrix"} <= set(sessions) and not any(s.startswith("matrix(") for s in sessions), sessions

@@ -59,7 +59,10 @@ def test_selection_narrows_and_replaces(tmp_path: Path) -> None:
         ("[axes\npython=", "not valid TOML"),
         (GOOD.replace('dtype = ["fp32", "bf16"]\n', ""), ":2: axes: 'dtype' is a required property"),
         (GOOD + '[[rules]]\nid = "r"\nwhen = { torch = "newest" }\nreason = "x"\n', "rules #1 (r): bad specifier"),
-        (GOOD + '[[rules]]\nid = "r"\nwhen = { dtype = "==bf16" }\nreason = "x"\n', ":16: rules.0.when: Additional properties are not allowed ('dtype' was unexpected)"),
+        (
+            GOOD + '[[rules]]\nid = "r"\nwhen = { dtype = "==bf16" }\nreason = "x"\n',
+            "rules.0.when: Additional properties are not allowed ('dtype'",
+        ),
         (GOOD + '[[rules]]\nid = "r"\nreason = "x"\n', ":14: rules.0: 'when' is a required property"),
         (GOOD + '[tiers.pr]\ncombination = "listed"\n', ":14: tiers.pr: 'cells' is a required property"),
         (
@@ -70,14 +73,20 @@ def test_selection_narrows_and_replaces(tmp_path: Path) -> None:
         (GOOD.replace('"0.19.2"', '"0.19.x"'), "axes.deepspeed: '0.19.x' is not a version"),
         (GOOD.replace('deepspeed = ["0.19.8"]', 'deepspeed = ["0.17.6"]'), "tiers.default.deepspeed: ['0.17.6'] not in axes.deepspeed"),
         (GOOD.replace('python = ["3.11", "3.12"]', 'python = ["3"]'), "must be a minor version"),
-        (GOOD.replace('checkpointing = ["off", "on"]', 'checkpointing = ["sometimes"]'), "axes.checkpointing.0: 'sometimes' is not one of ['off', 'on']"),
+        (
+            GOOD.replace('checkpointing = ["off", "on"]', 'checkpointing = ["sometimes"]'),
+            "'sometimes' is not one of ['off', 'on']",
+        ),
         (GOOD.replace("[tiers.default]", "[tiers.nightly]"), "tiers: 'default' is a required property"),
         (GOOD.replace('torch = ["2.13.0+cpu"]', "torch = []"), "axes.torch: [] should be non-empty"),
         ("colour = 1\n" + GOOD, "top level: Additional properties are not allowed ('colour' was unexpected)"),
         (GOOD.replace("[axes]\n", '[axes]\nplatform = ["linux/riscv64"]\n'), ":3: axes.platform.0: 'linux/riscv64' is not one of"),
         (GOOD + '[[rules]]\nid = "r"\nwhen = { platform = "arm64" }\nreason = "x"\n', ":16: rules.0.when.platform: 'arm64' is not valid"),
         (GOOD + '[tiers.default.platforms."linux/arm64"]\ntorch = ["2.9.1"]\n', "platforms.linux/arm64.torch: ['2.9.1'] not in axes.torch"),
-        (GOOD + '[tiers.default.platforms."linux/arm64"]\ncolour = ["red"]\n', "platforms.linux/arm64: Unevaluated properties are not allowed ('colour' was unexpected)"),
+        (
+            GOOD + '[tiers.default.platforms."linux/arm64"]\ncolour = ["red"]\n',
+            "Unevaluated properties are not allowed ('colour'",
+        ),
     ],
 )
 def test_malformed_matrix_is_one_clear_line(tmp_path: Path, text: str, message: str) -> None:

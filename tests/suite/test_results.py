@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from stores import ERRORED, FIXED, PATCH, cell
@@ -59,3 +60,45 @@ def test_cells_from_an_image_are_imported_with_their_files(tmp_path: Path) -> No
     assert "| cortex-a76 (qemu-user CPU model) | no | yes (qemu-user) |" in text
     assert "- where: image dsmatrix/rpi5:latest, linux/arm64, cortex-a76 (qemu-user CPU model) (2 CPUs)" in text
     assert "set-up 500.0 s, tests 900.0 s (under emulation: how long it took, not how fast the code is)" in text
+
+
+def test_resume_reuses_only_final_verdicts_of_the_same_fingerprint(tmp_path: Path) -> None:
+    """fixed and not-fixed are final; undetected, error and interrupted always run again."""
+    from dsmatrix.matrix_run import FINAL, RESUME
+    from dsmatrix.results import find_finished
+
+    run = start_run(tmp_path / "results", {"patch": PATCH})
+    for ds, verdict in (
+        ("0.19.8", "fixed"),
+        ("0.19.2", "not-fixed"),
+        ("0.18.9", "undetected"),
+        ("0.17.6", "error"),
+        ("0.16.9", "interrupted"),
+    ):
+        run.add_cell(cell(ds, verdict, ["r"]))
+    store = tmp_path / "results"
+    assert find_finished(store, "fp-0.19.8", FINAL)["verdict"] == "fixed"
+    assert find_finished(store, "fp-0.19.2", FINAL)["verdict"] == "not-fixed"
+    assert find_finished(store, "fp-0.19.2", RESUME["fixed-only"]) is None  # --rerun-failed
+    for ds in ("0.18.9", "0.17.6", "0.16.9"):
+        assert find_finished(store, f"fp-{ds}", FINAL) is None
+    assert find_finished(store, "fp-0.19.8", RESUME["none"]) is None  # --fresh
+    assert find_finished(store, "another suite's fingerprint", FINAL) is None
+
+
+def test_a_truncated_cell_file_is_never_reused_and_loading_says_which_file(tmp_path: Path) -> None:
+    import pytest
+
+    from dsmatrix.errors import ResultsError
+    from dsmatrix.matrix_run import FINAL
+    from dsmatrix.results import find_finished
+
+    run = start_run(tmp_path / "results", {"patch": PATCH})
+    path = run.add_cell(cell("0.19.8", "fixed", ["ok"]))
+    path.write_text(path.read_text()[:100])  # a disk that filled up, a copy cut short
+    assert find_finished(tmp_path / "results", "fp-0.19.8", FINAL) is None
+    with pytest.raises(ResultsError, match=re.escape(f"{path}: truncated or not JSON")):
+        load_run(run.root)
+    path.write_text(json.dumps({"schema": 7, "cell": {}, "verdict": "fixed", "reasons": []}))
+    with pytest.raises(ResultsError, match=re.escape(f"{path}: not a dsmatrix result (schema 7, expected 1)")):
+        load_run(run.root)

@@ -1,0 +1,107 @@
+"""Fault injection and concurrency on real runs (marked ``faults``): a run killed at each stage of the
+pipeline, then run again, must end with the verdicts of an uninterrupted run and leave no process,
+no stale lock and no half-built cache entry; two ``nox -s matrix`` on one cache started together
+must both finish with correct verdicts.
+
+The short version (CI) walks the six kill points once on the smoke cell, alternating SIGKILL and
+SIGINT where each matters most; ``DSMATRIX_FAULTS=long`` walks them twice, with both signals at
+every point. The delays are random (seeded by ``DSMATRIX_FAULT_SEED``, printed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import faults
+import pytest
+from conftest import REPO
+
+pytestmark = pytest.mark.faults
+
+SELECTION = ["--tier", "smoke"]
+SHORT = (("KILL", "INT", "KILL", "KILL", "INT", "KILL"),)
+LONG = (("KILL", "INT", "KILL", "KILL", "INT", "KILL"), ("INT", "KILL", "INT", "INT", "KILL", "KILL"))
+
+
+def _walks() -> tuple[tuple[str, ...], ...]:
+    return LONG if os.environ.get("DSMATRIX_FAULTS") == "long" else SHORT
+
+
+def test_killed_runs_resume_to_the_uninterrupted_verdicts(tmp_path: Path) -> None:
+    seed = int(os.environ.get("DSMATRIX_FAULT_SEED", random.randrange(10_000)))
+    print(f"fault seed {seed} (DSMATRIX_FAULT_SEED={seed} repeats these delays)")
+    rng = random.Random(seed)
+    cache, results = tmp_path / "cache", tmp_path / "results"
+    command = [sys.executable, "-m", "dsmatrix", "matrix", "--results", str(results), *SELECTION]
+    problems: list[str] = []
+    records = []
+    for w, signals in enumerate(_walks()):
+        for n, (point, sig) in enumerate(zip(faults.ALL_POINTS, signals, strict=True)):
+            log = tmp_path / f"{w}-{n}-{point}.log"
+            record = faults.kill_at(command, cache, results, point, signal.Signals[f"SIG{sig}"], rng, log, REPO)
+            records.append(record)
+            print(json.dumps(record.as_dict()))
+            where = f"{point} ({record.signal} after {record.delay_s} s; log {log})"
+            if not record.reached and w == 0:
+                problems.append(f"{where}: the run never reached this point")
+            if record.reached and record.signal == "SIGINT":
+                if record.exit_code != 130:
+                    problems.append(f"{where}: exit {record.exit_code}, expected 130")
+                if record.summary_status != "interrupted" or "interrupted" not in record.cell_verdicts.values():
+                    problems.append(
+                        f"{where}: summary {record.summary_status}, cells {record.cell_verdicts}: the cell must be `interrupted`"
+                    )
+                if record.right_after.processes or record.right_after.held_locks:
+                    problems.append(f"{where}: left {record.right_after.processes + record.right_after.held_locks}")
+            if n > 0 and records[-2].signal == "SIGKILL" and records[-2].right_after.processes:
+                alive = [p for p in records[-2].right_after.processes if Path(f"/proc/{p.split()[0]}").exists()]
+                if alive and "stopped a process group left by a killed run" not in log.read_text():
+                    problems.append(f"{where}: the orphans of the killed run before it still run: {alive}")
+    code, took = faults.wait_run(command, cache, tmp_path / "rerun.log", REPO)
+    left = faults.leftovers(cache)
+    recovered = faults.cell_outcomes(results)
+    print(f"re-run: exit {code} in {took:.0f} s; left {left}")
+    if code != 0:
+        problems.append(f"the re-run exited {code} (log {tmp_path / 'rerun.log'})")
+    if left.any():
+        problems.append(f"after the re-run the cache still holds {left}")
+    reference_code, _ = faults.wait_run([*command, "--fresh"], cache, tmp_path / "reference.log", REPO)
+    reference = faults.cell_outcomes(results)
+    assert reference_code == 0, (tmp_path / "reference.log").read_text()[-2000:]
+    if recovered != reference:
+        problems.append(f"recovered verdicts differ from an uninterrupted run's: {recovered} != {reference}")
+    assert all(v["verdict"] == "fixed" for v in reference.values()), reference  # type: ignore[index]
+    assert not problems, "\n".join(problems)
+
+
+def _nox_matrix(results: Path, cache: Path, log: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(DSMATRIX_CACHE=str(cache), PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", "nox", "-s", "matrix", "--", "--results", str(results), *SELECTION]
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_nox_matrix_runs_on_one_cache(tmp_path: Path) -> None:
+    """Both runs build, wait for each other's entries and finish `fixed`; the stock tests ran once."""
+    cache = tmp_path / "cache"
+    runs = [(tmp_path / f"results-{i}", tmp_path / f"nox-{i}.log") for i in (1, 2)]
+    procs = [_nox_matrix(results, cache, log) for results, log in runs]
+    started = time.monotonic()
+    codes = [p.wait(timeout=3600) for p in procs]
+    print(f"two runs together: {time.monotonic() - started:.0f} s, exits {codes}")
+    for code, (_, log) in zip(codes, runs, strict=True):
+        assert code == 0, log.read_text()[-3000:]
+    outcomes = [faults.cell_outcomes(results) for results, _ in runs]
+    assert outcomes[0] == outcomes[1] and all(v["verdict"] == "fixed" for v in outcomes[0].values()), outcomes  # type: ignore[index]
+    cells = [json.loads(next((results / "latest" / "cells").glob("*.json")).read_text()) for results, _ in runs]
+    reused = [c["builds"]["stock"].get("tests_reused_from") for c in cells]
+    assert sum(bool(r) for r in reused) == 1, f"the stock tests ran {2 - sum(bool(r) for r in reused)} times: {reused}"
+    assert len(list((cache / "wheels").glob("*/*/*/build.json"))) == 2, "one stock and one patched wheel"
+    assert not faults.leftovers(cache).any(), faults.leftovers(cache)
