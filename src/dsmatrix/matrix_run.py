@@ -98,12 +98,12 @@ def plan_run(options: MatrixOptions) -> Plan:
     todo = [c for c in selection.cells if c not in reusable]
     plan = Plan(hosts, prints, reusable, todo=todo, orphans_stopped=orphans)
     local = Selection(tuple(c for c in todo if hosts[c] == "local"), selection.runtime)
-    preflight(local, options.patch, options.cache)
-    check_patch({c.deepspeed for c in todo}, options.patch, options.cache)  # also for cells that run in an image
-    plan.need_gib = check_disk(local, options.cache)
+    plan.need_gib = check_disk(local, options.cache)  # first: the checks below download into the cache
     for platform in plan.image_platforms:
         cells = tuple(c for c in todo if c.platform == platform and hosts[c] != "local")
         plan.need_gib += check_disk(Selection(cells, selection.runtime), options.cache.in_image(image_for(platform).name))
+    preflight(local, options.patch, options.cache)
+    check_patch({c.deepspeed for c in todo}, options.patch, options.cache)  # also for cells that run in an image
     if plan.image_platforms:
         image_source_tree(options.root)  # images need the suite's source tree: say so before anything runs
     return plan

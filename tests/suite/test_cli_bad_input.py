@@ -141,3 +141,20 @@ def test_malformed_project_matrix_keeps_every_nox_session_usable(tmp_path: Path)
     assert len(errors) == 1 and "not valid TOML" in errors[0] and "(no per-cell sessions listed)" in errors[0], proc.stderr
     sessions = [line.split()[1] for line in proc.stdout.splitlines() if line[:2] in ("* ", "- ")]
     assert {"tests", "lint", "matrix"} <= set(sessions) and not any(s.startswith("matrix(") for s in sessions), sessions
+
+
+def test_no_disk(tmp_path: Path) -> None:
+    """A cache on a 2 MiB filesystem: refused up front with the estimate, exit 8, nothing downloaded."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
+    try:
+        check_one_line_error(tmp_path, "--cache-dir", str(small), expect=f"{small}: the selected cells need about", code=8)
+        assert not (small / "sdists").exists()
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
