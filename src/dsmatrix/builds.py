@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import tarfile
 import tempfile
@@ -58,12 +59,17 @@ def fetch_sdist(deepspeed: str, cache: Cache) -> Path:
         )
         files = list(staging.glob("deepspeed-*.tar.gz"))
         if proc.returncode != 0 or len(files) != 1:
-            lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")]
+            lines = [_shorten_versions(ln) for ln in proc.stderr.splitlines() if ln.startswith("ERROR")]
             raise UnknownVersionError(f"DeepSpeed {deepspeed}: sdist not downloadable: {' '.join(lines) or proc.stderr.strip()[-300:]}")
         os.replace(files[0], staging / SDIST.format(deepspeed))
 
     folder = materialise(cache.sdist(deepspeed), lambda entry: (entry / SDIST.format(deepspeed)).is_file(), download)
     return folder / SDIST.format(deepspeed)
+
+
+def _shorten_versions(line: str) -> str:
+    """pip's "(from versions: <every release>)" cut to the newest few, so the error stays one readable line."""
+    return re.sub(r"\(from versions: ([^)]*)\)", lambda m: f"(newest: {', '.join(m.group(1).split(', ')[-6:])})", line)
 
 
 def unpack_sdist(sdist: Path, into: Path) -> Path:

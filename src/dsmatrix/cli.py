@@ -20,7 +20,7 @@ from dsmatrix import __version__
 from dsmatrix.bench import DEFAULT_MARGIN, DEFAULT_MAX_ROUNDS, DEFAULT_MINUTES, BenchOptions
 from dsmatrix.cache import Cache, default_root
 from dsmatrix.cells import Cell, Selection, plan_cells
-from dsmatrix.errors import ConfigError, FatalError
+from dsmatrix.errors import ConfigError, FatalError, InterpreterNotFound, UnknownVersionError
 from dsmatrix.hosts import native_platform
 from dsmatrix.images import IMAGES, build_image, docker_engine, ensure_emulation, image_for, inside_view
 from dsmatrix.instructions import DEFAULT_MARGIN as DEFAULT_INSTRUCTIONS_MARGIN
@@ -192,6 +192,10 @@ def matrix_options(args: argparse.Namespace) -> MatrixOptions:
     )
 
 
+def matrix_axes(options: MatrixOptions) -> dict[str, tuple[str, ...]]:
+    return dict(load_matrix(options.matrix).axes)
+
+
 def command_matrix(args: argparse.Namespace) -> int:
     options = matrix_options(args)
     selection = options.selection
@@ -201,7 +205,14 @@ def command_matrix(args: argparse.Namespace) -> int:
     if not selection.cells:
         rules = ", ".join(sorted({e.rule.id for e in selection.excluded})) or "no rule"
         raise ConfigError(f"tier {args.tier}: the selection leaves no cell to run ({len(selection.excluded)} excluded by {rules})")
-    plan = plan_run(options)
+    try:
+        plan = plan_run(options)
+    except UnknownVersionError as exc:  # name the versions the matrix knows beside the one it could not find
+        outside = {a: v for a, vs in _wanted(args).items() if a in CELL_AXES for v in vs or () if v not in matrix_axes(options)[a]}
+        if not outside or isinstance(exc, InterpreterNotFound):
+            raise
+        known = "; ".join(f"{a}: {', '.join(matrix_axes(options)[a])}" for a in outside)
+        raise type(exc)(f"{exc} (not in {options.matrix.name}, which knows {known})") from None
     excluded = [
         {"cell": {**e.cell.as_dict(), "label": e.cell.label}, "rule": e.rule.id, "reason": e.rule.reason} for e in selection.excluded
     ]

@@ -27,7 +27,7 @@ from dsmatrix.hosts import describe
 from dsmatrix.instructions import CALIBRATION_TOLERANCE, run_counts
 from dsmatrix.locations import suite_path
 from dsmatrix.patches import PatchSet, apply_diff
-from dsmatrix.results import Run
+from dsmatrix.results import Run, cell_result_skeleton
 from dsmatrix.run import ENGINE_TESTS, TestRun, outcome_dict, outcomes_from_junits, run_engine_tests
 from dsmatrix.verdict import ERROR, cell_verdict
 
@@ -238,16 +238,8 @@ def run_cell(
     The stock build's test results are reused from the cache when nothing they depend on changed
     (``reuse_stock``; ``--fresh`` turns it off)."""
     started = time.monotonic()
-    result: dict[str, Any] = {
-        "schema": 1,
-        "fingerprint": fingerprint,
-        "cell": {**cell.as_dict(), "label": cell.label},
-        "runtime": {axis: list(v) for axis, v in selection.runtime.items()},
-        "patch": patch.describe(),
-        "host": describe(),
-        "builds": {},
-        "timings": {},
-    }
+    result = cell_result_skeleton(cell, fingerprint, ERROR, "did not finish")
+    result.update(runtime={axis: list(v) for axis, v in selection.runtime.items()}, patch=patch.describe(), host=describe())
     setup_s = tests_s = 0.0
     try:
         builds = prepare_builds(cell, patch, cache)

@@ -135,8 +135,9 @@ def start_run(results: Path, meta: dict[str, Any]) -> Run:
 
 
 def cell_result_skeleton(cell: Any, fingerprint: str, verdict: str, reason: str) -> dict[str, Any]:
-    """A cell result with no builds: a cell that never finished (``interrupted``, or ``error`` when
-    its container did not bring it back)."""
+    """The one constructor of a cell result (``pipeline.run_cell`` fills in builds, tests and
+    timings); as it is, a cell that never finished: ``interrupted``, or ``error`` when its
+    container did not bring it back."""
     return {
         "schema": SCHEMA,
         "fingerprint": fingerprint,

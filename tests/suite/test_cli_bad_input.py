@@ -43,6 +43,7 @@ def test_unknown_torch_version(tmp_path: Path) -> None:
 
 def test_unknown_deepspeed_version(tmp_path: Path) -> None:
     check_one_line_error(tmp_path, "--deepspeed", "0.19.99", expect="DeepSpeed 0.19.99: sdist not downloadable", code=4)
+    check_one_line_error(tmp_path, "--deepspeed", "0.19.99", expect="(not in matrix.toml, which knows deepspeed: 0.14.5, 0.16.9", code=4)
 
 
 def test_deepspeed_version_without_a_diff(tmp_path: Path) -> None:

@@ -126,3 +126,30 @@ def test_ranks_merge_to_the_worst_outcome_and_name_the_rank() -> None:
     assert merged["t::c"].outcome == "error" and "not run on rank(s) [1]" in merged["t::c"].message
     mixed = merge_ranks([{"t::d": TestOutcome("skipped")}, {"t::d": TestOutcome("passed")}])
     assert mixed["t::d"].outcome == "error"
+
+
+def test_a_stock_error_is_never_evidence_in_the_verdict_nor_in_the_grid() -> None:
+    """A pytest error (fixture, teardown) after the figures were recorded is not a clean observation:
+    the cell is `error` and the report's grid shows `harness`, never `fixed` (one rule, in verdict.py)."""
+    from dsmatrix.verdict import test_state
+
+    stock = outcomes()
+    stock["t::retrace"] = TestOutcome("error", bug="retrace", message="teardown failed", observed='{"figure": 1}')
+    patched = outcomes(**PATCHED_OK)
+    assert cell_verdict(stock, patched).verdict == "error"
+    assert test_state(stock["t::retrace"], patched["t::retrace"]) == "harness"
+    assert test_state(stock["t::lifecycle"], patched["t::lifecycle"]) == "fixed"
+    assert test_state(stock["t::control"], patched["t::control"]) == "ok"
+    assert test_state(stock["t::lifecycle"], None) == "absent"
+    assert test_state(stock["t::lifecycle"], TestOutcome("failed", bug="lifecycle")) == "broken"
+
+
+def test_the_report_grid_reads_its_states_from_verdict(tmp_path) -> None:
+    """The stored outcome dicts read back give the same state as the outcomes they were made from."""
+    from dsmatrix.run import outcome_dict, outcome_from_dict
+    from dsmatrix.verdict import test_state
+
+    stock, patched = outcomes(), outcomes(**PATCHED_OK)
+    for test in stock:
+        again = test_state(outcome_from_dict(outcome_dict(stock[test])), outcome_from_dict(outcome_dict(patched[test])))
+        assert again == test_state(stock[test], patched[test])
