@@ -125,8 +125,9 @@ class Outcome:
         return exit_code(self.verdicts) or (1 if REGRESSION in throughput else 0)
 
 
-class Interrupted(BaseException):
-    """SIGINT or SIGTERM: the run stops, keeping what it finished."""
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM: the run stops, keeping what it finished (a KeyboardInterrupt, so every
+    handler of Ctrl-C, such as stopping a container, sees it)."""
 
 
 @contextlib.contextmanager
@@ -188,7 +189,7 @@ def run_matrix(options: MatrixOptions, plan: Plan, say: Printer, meta: Mapping[s
                         current[:] = cells
                         outcome.verdicts += _run_image_cells(options, client, platform, cells, plan.prints, run, say)
                         current.clear()
-        except (Interrupted, KeyboardInterrupt) as exc:
+        except KeyboardInterrupt as exc:
             outcome.interrupted = True
             done = {c["cell"]["id"] for c in run.cells}
             for cell in (c for c in current if c.id not in done):

@@ -50,7 +50,9 @@ def _record(proc: subprocess.Popen[Any], command: Sequence[str]) -> Path | None:
     entry = _registry / f"{proc.pid}.json"
     me = os.getpid()
     data = {"owner": me, "owner_start": start_time(me), "leader": proc.pid, "leader_start": start_time(proc.pid), "command": list(command)}
-    entry.write_text(json.dumps(data))
+    tmp = entry.with_suffix(".tmp")  # renamed into place: a reader never sees half an entry
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, entry)
     return entry
 
 

@@ -151,3 +151,49 @@ def test_docker_errors_inside_the_engine_block_are_one_line(tmp_path: Path, monk
     with pytest.raises(DockerUnavailable, match="docker: ImageNotFound: no such image"):
         with images.docker_engine(tmp_path):
             raise docker.errors.ImageNotFound("no such image")
+
+
+def test_the_suites_daemon_is_shared_and_stopped_by_its_last_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run A starts the daemon while run B also uses it: A leaving keeps it; B gone, the last user stops it.
+    The daemon and run B are real processes (sleep), the docker API is not needed for the rule."""
+    import subprocess
+
+    from dsmatrix import images
+    from dsmatrix.processes import start_time
+
+    daemon = subprocess.Popen(["sleep", "300"])
+    other_run = subprocess.Popen(["sleep", "300"])
+    answering: list[object] = []
+
+    def start(state_dir: Path) -> object:
+        (state_dir / "daemon.json").write_text(json.dumps({"pid": daemon.pid, "start": start_time(daemon.pid)}))
+        answering.append(object())
+        return answering[0]
+
+    monkeypatch.setattr(images, "_answering_client", lambda: answering[0] if answering else None)
+    monkeypatch.setattr(images, "_start_daemon", start)
+    (tmp_path / "users").mkdir()
+    (tmp_path / "users" / f"{other_run.pid}.json").write_text(json.dumps({"pid": other_run.pid, "start": start_time(other_run.pid)}))
+    with images.docker_engine(tmp_path) as client:  # run A: nothing answers, it starts the daemon
+        assert client is answering[0]
+    assert daemon.poll() is None, "run B still uses the daemon: A must not stop it"
+    other_run.kill()
+    other_run.wait()
+    with images.docker_engine(tmp_path):  # run C: the daemon answers and is the suite's: C registers
+        pass
+    assert daemon.wait(timeout=30) is not None, "the last user must stop the suite's daemon"
+    assert not (tmp_path / "daemon.json").exists() and not list((tmp_path / "users").glob("*.json"))
+
+
+def test_an_engine_the_suite_did_not_start_is_never_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsmatrix import images
+
+    class Answering:
+        def ping(self) -> bool:
+            return True
+
+    monkeypatch.setattr(images, "_answering_client", Answering)
+    monkeypatch.setattr(images, "_stop_daemon", lambda state_dir: pytest.fail("a foreign engine was stopped"))
+    with images.docker_engine(tmp_path):
+        pass
+    assert not list((tmp_path / "users").glob("*.json"))

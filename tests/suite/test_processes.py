@@ -1,0 +1,85 @@
+"""Process groups: a child's grandchildren stop with it, and the groups of a run killed outright are
+stopped by the next one (real processes: sh, sleep, a Python owner killed with SIGKILL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dsmatrix import processes
+
+
+def _members(pgid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_a_timeout_stops_the_grandchildren_too() -> None:
+    """Like torch's JIT build: the child (sh) runs grandchildren (sleep); a timeout must stop all of them."""
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        processes.run(["sh", "-c", "sleep 300 & sleep 300 & wait"], timeout=1)
+    assert time.monotonic() - started < 20
+    assert not [p for p in _members_of_command("sleep 300")], "a grandchild outlived its group"
+
+
+def _members_of_command(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (
+                    text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    and "Z" not in (entry / "stat").read_text().split()[2]
+                ):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_the_groups_of_a_killed_run_are_stopped_by_the_next(tmp_path: Path) -> None:
+    registry = tmp_path / "processes"
+    owner_code = (
+        "import sys, time; from pathlib import Path; from dsmatrix import processes\n"
+        f"processes.track_in(Path({str(registry)!r}))\n"
+        "processes.start(['sh', '-c', 'sleep 301 & sleep 301 & wait'])\n"
+        "print('started', flush=True); time.sleep(300)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", owner_code], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None and owner.stdout.readline().strip() == "started"
+    (entry,) = registry.glob("*.json")
+    leader = json.loads(entry.read_text())["leader"]
+    assert _wait_for(3, leader) == 3  # sh and two sleeps, in the child's own group
+    assert processes.stop_orphans(registry) == [], "the owner is alive: its groups are its own"
+    os.kill(owner.pid, signal.SIGKILL)  # killed outright: it cannot stop its group
+    owner.wait()
+    assert len(_members(leader)) == 3, "SIGKILL of the owner leaves its children running"
+    stopped = processes.stop_orphans(registry)
+    assert [s["leader"] for s in stopped] == [leader]
+    deadline = time.monotonic() + 10
+    while _members(leader) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _members(leader) and not list(registry.glob("*.json"))
+
+
+def _wait_for(count: int, pgid: int) -> int:
+    deadline = time.monotonic() + 10
+    while len(_members(pgid)) != count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(_members(pgid))
