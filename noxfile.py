@@ -4,10 +4,14 @@ session per matrix cell, e.g. ``nox -s "matrix(py3.12, torch2.9.1, ds0.19.8)"`` 
 Thin by design: each session installs the package and calls ``python -m dsmatrix``.
 """
 
+import hashlib
+import os
+import shutil
 import sys
 from pathlib import Path
 
 import nox
+from filelock import FileLock  # nox needs virtualenv, which needs filelock
 
 sys.path.insert(0, str(Path(__file__).parent / "src"))
 from dsmatrix.cells import Cell, all_cells  # noqa: E402
@@ -35,11 +39,45 @@ def _load_cells() -> list[Cell]:
     return []
 
 
-@nox.session(python=DRIVER_PYTHON)
+def _driver_interpreter() -> str:
+    """A Python DRIVER_PYTHON: on the PATH, in pyenv's versions folder, or this one."""
+    found = shutil.which(f"python{DRIVER_PYTHON}")
+    if found:
+        return found
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    candidates = sorted(pyenv.glob(f"{DRIVER_PYTHON}.*/bin/python{DRIVER_PYTHON}"))
+    if candidates:
+        return str(candidates[-1])
+    if sys.version_info[:2] == tuple(map(int, DRIVER_PYTHON.split("."))):
+        return sys.executable
+    raise nox.command.CommandFailed(f"no Python {DRIVER_PYTHON} found (python{DRIVER_PYTHON} on PATH, {pyenv})")
+
+
+def suite_python(session: nox.Session) -> str:
+    """The suite installed (editable) in one environment shared by every session that runs it.
+
+    Several of these sessions may start at once (two terminals, two CI jobs on one runner): nox's
+    own per-session environments would then be created and reinstalled by both at the same time
+    and break each other. This one is created, and reinstalled when pyproject.toml changes, under a
+    lock; the source tree is read live, so a code change needs no reinstall."""
+    env = session.cache_dir / "dsmatrix-suite"
+    python = env / "bin" / "python"
+    stamp = env / "installed-from"
+    wanted = hashlib.sha256(Path("pyproject.toml").read_bytes()).hexdigest() + f" {Path.cwd()}"
+    env.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{env}.lock"):
+        if not (python.exists() and stamp.is_file() and stamp.read_text() == wanted):
+            shutil.rmtree(env, ignore_errors=True)
+            session.run(_driver_interpreter(), "-m", "venv", str(env), external=True)
+            session.run(str(python), "-m", "pip", "install", "--quiet", "-e", ".", external=True)
+            stamp.write_text(wanted)
+    return str(python)
+
+
+@nox.session(venv_backend="none")
 def matrix(session: nox.Session) -> None:
     """Run the matrix (default tier unless -- --tier ...): stock vs patched, a verdict per cell."""
-    session.install("-e", ".")
-    session.run("python", "-m", "dsmatrix", "matrix", *session.posargs)
+    session.run(suite_python(session), "-m", "dsmatrix", "matrix", *session.posargs, external=True)
 
 
 def cell_argv(cell: Cell) -> list[str]:
@@ -50,37 +88,33 @@ def cell_argv(cell: Cell) -> list[str]:
 
 def _cell_session(cell: Cell) -> None:
     def run_one_cell(session: nox.Session) -> None:
-        session.install("-e", ".")
-        session.run("python", "-m", "dsmatrix", *cell_argv(cell), *session.posargs)
+        session.run(suite_python(session), "-m", "dsmatrix", *cell_argv(cell), *session.posargs, external=True)
 
     run_one_cell.__doc__ = f"one cell, every runtime axis (release tier): {cell.id}"
-    nox.session(python=DRIVER_PYTHON, name=cell.label, default=False)(run_one_cell)
+    nox.session(venv_backend="none", name=cell.label, default=False)(run_one_cell)
 
 
 for _cell in _load_cells():
     _cell_session(_cell)
 
 
-@nox.session(python=DRIVER_PYTHON, default=False)
+@nox.session(venv_backend="none", default=False)
 def bench(session: nox.Session) -> None:
     """Executed instructions (callgrind), step time (interleaved rounds until decided) and leak, stock vs patched with
     A/A calibrations; cells with a result only get benchmarked. Exits 1 on a decided throughput regression."""
-    session.install("-e", ".")
-    session.run("python", "-m", "dsmatrix", "matrix", "--bench", *session.posargs)
+    session.run(suite_python(session), "-m", "dsmatrix", "matrix", "--bench", *session.posargs, external=True)
 
 
-@nox.session(python=DRIVER_PYTHON, default=False)
+@nox.session(venv_backend="none", default=False)
 def images(session: nox.Session) -> None:
     """Build the container images: x86_64 and rpi5 (-- --platform linux/arm64 for one, --base-image IMAGE)."""
-    session.install("-e", ".")
-    session.run("python", "-m", "dsmatrix", "images", *session.posargs)
+    session.run(suite_python(session), "-m", "dsmatrix", "images", *session.posargs, external=True)
 
 
-@nox.session(python=DRIVER_PYTHON)
+@nox.session(venv_backend="none")
 def report(session: nox.Session) -> None:
     """The release-qualification report (MD/HTML/JSON) from results, or from the stores given: -- STORE ..."""
-    session.install("-e", ".")
-    session.run("python", "-m", "dsmatrix", "report", *session.posargs)
+    session.run(suite_python(session), "-m", "dsmatrix", "report", *session.posargs, external=True)
 
 
 @nox.session(python=DRIVER_PYTHON)
