@@ -70,7 +70,8 @@ def test_two_ranks_see_every_bug(tmp_path: Path) -> None:
 
 
 def test_interrupted_run_keeps_finished_cells(tmp_path: Path) -> None:
-    """Kill a two-cell run once its first cell is recorded: that cell survives, marked interrupted."""
+    """SIGTERM a two-cell run once its first cell is recorded: that cell survives `fixed`, the second is
+    recorded `interrupted`, and a re-run runs only the second."""
     import os
     import signal
     import subprocess
@@ -93,7 +94,10 @@ def test_interrupted_run_keeps_finished_cells(tmp_path: Path) -> None:
     assert "interrupted; 1 finished cell(s) kept" in stderr
     summary = json.loads(summary_path.read_text())
     assert summary["status"] == "interrupted"
-    assert [c["id"] for c in summary["cells"]] == ["py3.11-torch2.13.0+cpu-ds0.19.2"]
+    assert [(c["id"], c["verdict"]) for c in summary["cells"]] == [
+        ("py3.11-torch2.13.0+cpu-ds0.19.2", "fixed"),
+        ("py3.11-torch2.13.0+cpu-ds0.19.8", "interrupted"),
+    ]
     assert json.loads((results / "latest" / summary["cells"][0]["file"]).read_text())["verdict"] == "fixed"
     assert not [p for p in results.rglob("*") if p.name.endswith(".tmp")]
 
@@ -101,7 +105,7 @@ def test_interrupted_run_keeps_finished_cells(tmp_path: Path) -> None:
     rerun = run_cli(*command[3:], cwd=tmp_path)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "(1 already done)" in rerun.stdout
-    assert f"FIXED  (result of run {summary['run_id']}" in rerun.stdout
+    assert f"reused the result of run {summary['run_id']}" in rerun.stdout
     assert rerun.stdout.count("running ...") == 1
     summary = json.loads(summary_path.read_text())
     assert summary["status"] == "complete" and [c["verdict"] for c in summary["cells"]] == ["fixed", "fixed"]
