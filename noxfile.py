@@ -119,7 +119,8 @@ def report(session: nox.Session) -> None:
 
 @nox.session(python=DRIVER_PYTHON)
 def tests(session: nox.Session) -> None:
-    """The suite's own tests: end-to-end cells on DeepSpeed 0.19.8, then the candidate-fix panel
+    """The suite's own tests: end-to-end cells on DeepSpeed 0.19.8, runs killed at every stage and two
+    runs sharing one cache (-m faults), then the candidate-fix panel
     (two candidates at a time; each builds and tests its own patched DeepSpeed). With arguments,
     one pytest run with exactly those arguments."""
     session.install("-e", ".[test]")
