@@ -26,7 +26,7 @@ from dsmatrix.images import IMAGES, build_image, docker_engine, ensure_emulation
 from dsmatrix.instructions import DEFAULT_MARGIN as DEFAULT_INSTRUCTIONS_MARGIN
 from dsmatrix.locations import default_matrix, default_patch, project_root
 from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, Matrix, load_matrix
-from dsmatrix.matrix_run import MatrixOptions, plan_run, run_matrix
+from dsmatrix.matrix_run import INTERRUPTED_EXIT, MatrixOptions, interrupts_raise, plan_run, run_matrix
 from dsmatrix.patches import load_patch_set
 from dsmatrix.report import load_report, passes, write_report
 
@@ -206,7 +206,11 @@ def command_matrix(args: argparse.Namespace) -> int:
         rules = ", ".join(sorted({e.rule.id for e in selection.excluded})) or "no rule"
         raise ConfigError(f"tier {args.tier}: the selection leaves no cell to run ({len(selection.excluded)} excluded by {rules})")
     try:
-        plan = plan_run(options)
+        with interrupts_raise():
+            plan = plan_run(options)
+    except KeyboardInterrupt:  # before the run folder exists: its children are stopped, nothing was written
+        print("dsmatrix: interrupted while checking the inputs; nothing was written", file=sys.stderr)
+        return INTERRUPTED_EXIT
     except UnknownVersionError as exc:  # name the versions the matrix knows beside the one it could not find
         outside = {a: v for a, vs in _wanted(args).items() if a in CELL_AXES for v in vs or () if v not in matrix_axes(options)[a]}
         if not outside or isinstance(exc, InterpreterNotFound):
