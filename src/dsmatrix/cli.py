@@ -192,10 +192,6 @@ def matrix_options(args: argparse.Namespace) -> MatrixOptions:
     )
 
 
-def matrix_axes(options: MatrixOptions) -> dict[str, tuple[str, ...]]:
-    return dict(load_matrix(options.matrix).axes)
-
-
 def command_matrix(args: argparse.Namespace) -> int:
     options = matrix_options(args)
     selection = options.selection
@@ -212,10 +208,11 @@ def command_matrix(args: argparse.Namespace) -> int:
         print("dsmatrix: interrupted while checking the inputs; nothing was written", file=sys.stderr)
         return INTERRUPTED_EXIT
     except UnknownVersionError as exc:  # name the versions the matrix knows beside the one it could not find
-        outside = {a: v for a, vs in _wanted(args).items() if a in CELL_AXES for v in vs or () if v not in matrix_axes(options)[a]}
+        axes = load_matrix(options.matrix).axes  # read once, only on this error path
+        outside = [a for a, values in _wanted(args).items() if a in CELL_AXES and any(v not in axes[a] for v in values or ())]
         if not outside or isinstance(exc, InterpreterNotFound):
             raise
-        known = "; ".join(f"{a}: {', '.join(matrix_axes(options)[a])}" for a in outside)
+        known = "; ".join(f"{a}: {', '.join(axes[a])}" for a in outside)
         raise type(exc)(f"{exc} (not in {options.matrix.name}, which knows {known})") from None
     excluded = [
         {"cell": {**e.cell.as_dict(), "label": e.cell.label}, "rule": e.rule.id, "reason": e.rule.reason} for e in selection.excluded
