@@ -1,9 +1,12 @@
-"""Stock and patched DeepSpeed wheels, built once from the PyPI sdist and cached.
+"""Stock and patched DeepSpeed wheels, built once from the source and cached.
 
-DeepSpeed ships only an sdist whose ``setup.py`` imports torch, so wheels are built in a
-builder environment that has the cell's Python and torch, without build isolation. The
-patched wheel carries a local version label ``+patched.<sha12>`` and a ``build.json``
-sidecar with the patch's sha256. Cache key: (DeepSpeed, Python, torch, stock | patch sha256).
+The source is the release's PyPI sdist, or for a git source the commit's exported tree. DeepSpeed
+ships only an sdist whose ``setup.py`` imports torch, so wheels are built in a builder
+environment that has the cell's Python and torch, without build isolation. The patched wheel
+carries a local version label ``+patched.<sha12>`` (``+git.<commit>`` for a commit's own build)
+and a ``build.json`` sidecar with the patch's sha256. Cache key: (release or commit, Python,
+torch, stock | patch sha256). In PR mode the patched build is the head commit's own build: no
+diff is applied.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import re
 import sys
 import tarfile
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +28,7 @@ from dsmatrix.cells import Cell
 from dsmatrix.environments import Environment, ensure_environment, find_interpreter
 from dsmatrix.errors import BuildError, UnknownVersionError
 from dsmatrix.patches import PatchSet, apply_diff
+from dsmatrix.sources import source_tarball
 
 SDIST = "deepspeed-{}.tar.gz"
 BUILD_REQUIREMENTS = ("setuptools", "wheel", "pip", "packaging", "ninja", "numpy", "py-cpuinfo", "psutil")
@@ -90,6 +95,25 @@ def build_key(patch: PatchSet | None) -> str:
     return f"patched-{patch.short}" if patch else "stock"
 
 
+def source_archive(cell: Cell, cache: Cache, build: str = "stock") -> Path:
+    """The source tarball a build of ``cell`` starts from: the release sdist or the commit's tree."""
+    if cell.source:
+        return source_tarball(cell.source.commit_for(build), cache)
+    return fetch_sdist(cell.deepspeed, cache)
+
+
+def _applied_patch(cell: Cell, patch: PatchSet | None) -> PatchSet | None:
+    """The diff a build applies: none for stock, none for PR mode (the head carries the change)."""
+    return None if cell.source and cell.source.pr else patch
+
+
+def source_name(cell: Cell) -> str:
+    """How errors name a cell's DeepSpeed: ``0.19.8`` or ``git:LOCATION@REF (0.19.6, edaa722126)``."""
+    if cell.source:
+        return f"{cell.source.base.spec} ({cell.deepspeed}, {cell.source.base.short})"
+    return cell.deepspeed
+
+
 def builder_environment(cell: Cell, cache: Cache) -> Environment:
     """An environment with the cell's Python and torch plus setup.py's build needs."""
     interpreter = find_interpreter(cell.python)
@@ -101,13 +125,26 @@ def builder_environment(cell: Cell, cache: Cache) -> Environment:
 def build_wheel(cell: Cell, cache: Cache, patch: PatchSet | None) -> BuiltWheel:
     """Build (or reuse) the stock wheel (``patch=None``) or the patched wheel for ``cell``."""
     build = "patched" if patch else "stock"
+    source_key = cell.source.commit_for(build).key if cell.source else cell.deepspeed
+    applied = _applied_patch(cell, patch)
     folder = materialise(
-        cache.wheel(cell.deepspeed, cell.python, cell.torch, build_key(patch)),
+        cache.wheel(source_key, cell.python, cell.torch, build_key(applied)),
         _wheel_complete,
-        lambda staging: _build_wheel(cell, cache, patch, staging),
+        lambda staging: _build_wheel(cell, cache, build, applied, staging),
     )
     info = json.loads((folder / "build.json").read_text())
     return BuiltWheel(build, folder / str(info["wheel"]), info)
+
+
+def ops_digest(wheel: Path) -> str:
+    """sha256 over the op sources a wheel JIT-builds from (``deepspeed/ops/csrc``, ``op_builder``):
+    builds with equal op sources can share one torch-extensions folder."""
+    sha = hashlib.sha256()
+    with zipfile.ZipFile(wheel) as archive:
+        for name in sorted(archive.namelist()):
+            if name.startswith(("deepspeed/ops/csrc/", "deepspeed/ops/op_builder/")) and not name.endswith("/"):
+                sha.update(name.encode() + b"\0" + archive.read(name) + b"\0")
+    return sha.hexdigest()
 
 
 def _wheel_complete(folder: Path) -> bool:
@@ -118,20 +155,26 @@ def _wheel_complete(folder: Path) -> bool:
     return (folder / str(info.get("wheel", ""))).is_file()
 
 
-def _build_wheel(cell: Cell, cache: Cache, patch: PatchSet | None, out: Path) -> None:
-    build = "patched" if patch else "stock"
+def _build_wheel(cell: Cell, cache: Cache, build: str, patch: PatchSet | None, out: Path) -> None:
     builder = builder_environment(cell, cache)
-    sdist = fetch_sdist(cell.deepspeed, cache)
+    sdist = source_archive(cell, cache, build)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f"{out.name}-src-") as tmp:
         tree = unpack_sdist(sdist, Path(tmp))
         env = {**os.environ, "PIP_NO_INPUT": "1"}
         env.pop("DS_BUILD_STRING", None)
         info: dict[str, object] = {"deepspeed": cell.deepspeed, "python": cell.python, "torch": cell.torch, "build": build}
+        label = ""
+        if cell.source:  # setup.py would ask git for a hash (of whatever repository holds the cache)
+            commit = cell.source.commit_for(build)
+            label = f"+git.{commit.short}"
+            info.update(git=commit.as_dict())
         if patch:
             diff = patch.diff_for(cell.deepspeed)
-            apply_diff(diff, tree, cell.deepspeed)
-            env["DS_BUILD_STRING"] = f"+patched.{patch.short}"
+            apply_diff(diff, tree, source_name(cell))
+            label = f"{label}.patched.{patch.short}" if label else f"+patched.{patch.short}"
             info.update(patch_sha256=patch.sha256, patch_source=str(patch.source), diff=diff.name)
+        if label:
+            env["DS_BUILD_STRING"] = label
         proc = processes.run(
             [str(builder.python), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--quiet", str(tree), "-w", str(out)],
             capture_output=True,

@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Callable, Iterator, Sequence
@@ -80,6 +81,11 @@ class Cache:
 
     def sdist(self, deepspeed: str) -> Path:
         return self.root / "sdists" / f"deepspeed-{deepspeed}"
+
+    def git(self, location: str) -> Path:
+        """The bare mirror of one git repository (URL or path)."""
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", location.rstrip("/").rsplit("/", 1)[-1])[:40]
+        return self.root / "git" / f"{name}-{digest(location)}.git"
 
     def builder(self, python: str, torch: str, request: object) -> Path:
         """The wheel-building environment for (Python, torch)."""

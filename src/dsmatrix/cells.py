@@ -5,7 +5,9 @@ combination), ``pairwise`` (an all-pairs covering made by allpairspy: every allo
 values appears in at least one cell) or ``listed``. Compatibility rules exclude cells; excluded
 cells are kept in the plan with their rule, never silently dropped. A command-line selection
 narrows an axis (``--deepspeed 0.19.8``) or, in product and pairwise tiers, replaces it with a
-value the tier does not list (to try a new release before adding it to the matrix file).
+value the tier does not list (to try a new release before adding it to the matrix file), or
+with a git source (``sources.GitSource``, resolved first): such a cell's ``deepspeed`` is the
+commit's ``version.txt`` (what rules and the patch manifest see) and its id names ref and commit.
 Each platform is planned on its own, with the tier's values for that platform.
 """
 
@@ -19,6 +21,7 @@ from packaging.version import Version
 
 from dsmatrix.errors import ConfigError
 from dsmatrix.matrix import CELL_AXES, PLATFORM, PLATFORMS, RUNTIME_AXES, Matrix, Rule, Tier, check_value
+from dsmatrix.sources import GitSource
 
 DEFAULT_PLATFORM = PLATFORMS[0]  # unmarked in cell ids and labels
 
@@ -27,8 +30,9 @@ DEFAULT_PLATFORM = PLATFORMS[0]  # unmarked in cell ids and labels
 class Cell:
     python: str
     torch: str
-    deepspeed: str
+    deepspeed: str  # a release, or a git source's version.txt
     platform: str = DEFAULT_PLATFORM
+    source: GitSource | None = None  # DeepSpeed from git instead of the release's sdist
 
     @property
     def arch(self) -> str:
@@ -36,23 +40,39 @@ class Cell:
 
     @property
     def id(self) -> str:
-        """Filesystem-safe, readable id, e.g. ``py3.11-torch2.13.0+cpu-ds0.19.8`` (``-arm64`` on arm64)."""
+        """Filesystem-safe, readable id, e.g. ``py3.11-torch2.13.0+cpu-ds0.19.8`` (``-arm64`` on arm64;
+        ``-git.master.edaa722126`` for a git source)."""
         suffix = "" if self.platform == DEFAULT_PLATFORM else f"-{self.arch}"
-        return f"py{self.python}-torch{self.torch}-ds{self.deepspeed}{suffix}"
+        git = f"-{self.source.tag}" if self.source else ""
+        return f"py{self.python}-torch{self.torch}-ds{self.deepspeed}{git}{suffix}"
 
     @property
     def label(self) -> str:
         suffix = "" if self.platform == DEFAULT_PLATFORM else f", {self.arch}"
-        return f"matrix(py{self.python}, torch{self.torch}, ds{self.deepspeed}{suffix})"
+        git = f" {self.source.describe}" if self.source else ""
+        return f"matrix(py{self.python}, torch{self.torch}, ds{self.deepspeed}{git}{suffix})"
+
+    @property
+    def source_key(self) -> str:
+        """What the stock build's source is cached by: the release, or the base commit."""
+        return self.source.base.key if self.source else self.deepspeed
 
     def sort_key(self) -> tuple[str, Version, Version, Version]:
         return (self.platform, Version(self.python), Version(self.torch), Version(self.deepspeed))
 
     def values(self) -> dict[str, str]:
-        return {"python": self.python, "torch": self.torch, "deepspeed": self.deepspeed, PLATFORM: self.platform}
+        """The axis values (what rules match), and for a git source its commits (``location@commit[..commit]``)."""
+        values = {"python": self.python, "torch": self.torch, "deepspeed": self.deepspeed, PLATFORM: self.platform}
+        if self.source:
+            head = f"..{self.source.head.commit}" if self.source.head else ""
+            values["deepspeed_source"] = f"{self.source.base.location}@{self.source.base.commit}{head}"
+        return values
 
-    def as_dict(self) -> dict[str, str]:
-        return {"id": self.id, **self.values()}
+    def as_dict(self) -> dict[str, object]:
+        data: dict[str, object] = {"id": self.id, **self.values()}
+        if self.source:
+            data["git"] = self.source.as_dict()
+        return data
 
 
 @dataclass(frozen=True)
@@ -70,12 +90,23 @@ class Selection:
     excluded: tuple[Excluded, ...] = ()
 
 
-def _narrow(axis: str, tier_values: Sequence[str], wanted: Sequence[str] | None) -> tuple[str, ...]:
+Wanted = Sequence["str | GitSource"]
+
+
+def _narrow(axis: str, tier_values: Sequence[str], wanted: Wanted | None) -> tuple[str | GitSource, ...]:
     if not wanted:
         return tuple(tier_values)
     for value in wanted:
-        check_value(axis, value, f"--{axis}")
+        if not isinstance(value, GitSource):
+            check_value(axis, value, f"--{axis}")
     return tuple(dict.fromkeys(wanted))
+
+
+def make_cell(python: str, torch: str, deepspeed: str | GitSource, platform: str = DEFAULT_PLATFORM) -> Cell:
+    """A cell; a git source gives it the base commit's version."""
+    if isinstance(deepspeed, GitSource):
+        return Cell(python, torch, deepspeed.base.version, platform, deepspeed)
+    return Cell(python, torch, deepspeed, platform)
 
 
 def _pairs(cell: Cell) -> set[tuple[tuple[str, str], tuple[str, str]]]:
@@ -90,17 +121,18 @@ def pairwise(values: Mapping[str, Sequence[str]], matrix: Matrix, platform: str 
     pair uncovered, so any such pair is then covered greedily from the allowed product.
     """
     axes = [list(values[a]) for a in CELL_AXES]
-    product = (Cell(*combo, platform=platform) for combo in itertools.product(*axes))
+    product = (make_cell(*combo, platform=platform) for combo in itertools.product(*axes))
     allowed = [c for c in product if matrix.excluded_by(c.values()) is None]
     if sum(len(v) > 1 for v in axes) < 2:  # allpairspy needs two varying axes
         return allowed
 
-    def allowed_row(row: list[str]) -> bool:
-        return matrix.excluded_by({**dict(zip(CELL_AXES, row, strict=False)), PLATFORM: platform}) is None
+    def allowed_row(row: list[str | GitSource]) -> bool:
+        values = {a: v.base.version if isinstance(v, GitSource) else v for a, v in zip(CELL_AXES, row, strict=False)}
+        return matrix.excluded_by({**values, PLATFORM: platform}) is None
 
     from allpairspy import AllPairs  # imported here: the noxfile lists cells without it
 
-    cells = [Cell(*combo, platform=platform) for combo in AllPairs(axes, filter_func=allowed_row)]
+    cells = [make_cell(*combo, platform=platform) for combo in AllPairs(axes, filter_func=allowed_row)]
     uncovered = set().union(*map(_pairs, allowed)) - set().union(*map(_pairs, cells))
     while uncovered:
         best = max(allowed, key=lambda c: len(_pairs(c) & uncovered))
@@ -109,7 +141,7 @@ def pairwise(values: Mapping[str, Sequence[str]], matrix: Matrix, platform: str 
     return cells
 
 
-def plan_cells(matrix: Matrix, tier: Tier, wanted: Mapping[str, Sequence[str] | None], platforms: Sequence[str] = ()) -> Selection:
+def plan_cells(matrix: Matrix, tier: Tier, wanted: Mapping[str, Wanted | None], platforms: Sequence[str] = ()) -> Selection:
     """Expand ``tier`` into cells on each of ``platforms``, narrowed by ``wanted`` (axis -> values from the CLI).
 
     The runtime axes are the tier's (or the CLI's) on the first platform.
@@ -128,9 +160,11 @@ def plan_cells(matrix: Matrix, tier: Tier, wanted: Mapping[str, Sequence[str] | 
     )
 
 
-def _plan_platform(matrix: Matrix, tier: Tier, wanted: Mapping[str, Sequence[str] | None], platform: str) -> Selection:
+def _plan_platform(matrix: Matrix, tier: Tier, wanted: Mapping[str, Wanted | None], platform: str) -> Selection:
     values = {axis: _narrow(axis, tier.values[axis], wanted.get(axis)) for axis in CELL_AXES + RUNTIME_AXES}
-    product = [Cell(*combo, platform=platform) for combo in itertools.product(*(values[a] for a in CELL_AXES))]
+    product = [make_cell(*combo, platform=platform) for combo in itertools.product(*(values[a] for a in CELL_AXES))]
+    if tier.combination == "listed" and any(isinstance(v, GitSource) for v in values["deepspeed"]):
+        raise ConfigError(f"tier {tier.name}: lists its cells; a git source needs a tier that combines its axes (product or pairwise)")
     if tier.combination == "listed":
         candidates = [Cell(*c, platform=platform) for c in tier.cells if all(v in values[a] for a, v in zip(CELL_AXES, c, strict=True))]
     elif tier.combination == "pairwise":

@@ -27,8 +27,9 @@ from dsmatrix.instructions import DEFAULT_MARGIN as DEFAULT_INSTRUCTIONS_MARGIN
 from dsmatrix.locations import default_matrix, default_patch, project_root
 from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, Matrix, load_matrix
 from dsmatrix.matrix_run import INTERRUPTED_EXIT, MatrixOptions, interrupts_raise, plan_run, run_matrix
-from dsmatrix.patches import load_patch_set
+from dsmatrix.patches import PatchSet, load_patch_set, pr_change
 from dsmatrix.report import load_report, passes, write_report
+from dsmatrix.sources import GitSource, changed_diff, is_git, resolve, split_spec
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -43,6 +44,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         flag = f"--{axis.replace('_', '-')}"
         matrix.add_argument(flag, dest=axis, action="append", metavar="VALUE", help=f"select {axis} value(s) (repeat or comma-separate)")
     matrix.add_argument("--patch", type=Path, help="manifest folder or a single diff (default: the project's fix, else the bundled one)")
+    matrix.add_argument("--base", metavar="REF", help="PR mode, with --deepspeed git:REPO: stock from this ref (default: its @REF)")
+    matrix.add_argument("--head", metavar="REF", help="PR mode: patched is built from this ref of the same repository, no diff applied")
     matrix.add_argument("--results", type=Path, default=Path("results"))
     matrix.add_argument("--cache-dir", type=Path, default=default_root())
     matrix.add_argument("--plan", action="store_true", help="print the selected cells (and excluded ones) and exit")
@@ -100,6 +103,45 @@ def _wanted(args: argparse.Namespace) -> dict[str, list[str] | None]:
     return {axis: _split(getattr(args, axis)) for axis in CELL_AXES + RUNTIME_AXES}
 
 
+def _git_sources(args: argparse.Namespace, cache: Cache) -> dict[str, list[str | GitSource] | None]:
+    """The axis selections with every ``git:`` DeepSpeed value resolved to its commit (PR mode:
+    ``--base``/``--head`` on the one git value)."""
+    wanted: dict[str, list[str | GitSource] | None] = dict(_wanted(args))  # type: ignore[arg-type]
+    values = wanted.get("deepspeed") or []
+    gits = [v for v in values if isinstance(v, str) and is_git(v)]
+    if (args.base or args.head) and not args.head:
+        raise ConfigError("--base needs --head (PR mode: stock from the base ref, patched from the head ref)")
+    if args.head and (len(gits) != 1 or len(values) != 1):
+        raise ConfigError("--head needs exactly one --deepspeed value, the repository: --deepspeed git:REPO --base REF --head REF")
+    if args.head:
+        _, own_ref = split_spec(gits[0], "--deepspeed")
+        if args.base and own_ref:
+            raise ConfigError(f"--deepspeed {gits[0]} --base {args.base}: give the base ref once")
+        base = resolve(gits[0], cache, "--base", args.base or own_ref or None)
+        head = resolve(gits[0], cache, "--head", args.head)
+        if head.commit == base.commit:
+            raise ConfigError(f"--base {base.ref} and --head {head.ref} are the same commit ({base.short}): nothing to qualify")
+        wanted["deepspeed"] = [GitSource(base, head)]
+        return wanted
+    if gits:
+        wanted["deepspeed"] = [GitSource(resolve(v, cache, "--deepspeed")) if isinstance(v, str) and is_git(v) else v for v in values]
+    return wanted
+
+
+def _patch(args: argparse.Namespace, root: Path | None, selection: Selection, cache: Cache) -> PatchSet | None:
+    """The candidate fix: ``--patch`` or the project's; in PR mode the change between base and head."""
+    if args.plan:
+        return None
+    pr = {c.source for c in selection.cells if c.source and c.source.pr}
+    if pr:
+        if args.patch:
+            raise ConfigError(f"--patch {args.patch} with --head: PR mode applies no diff (the head commit carries the change)")
+        (source,) = pr
+        assert source.head is not None
+        return pr_change(changed_diff(source, cache), source.base.commit, source.head.commit, cache.root / "git" / "changes")
+    return load_patch_set((args.patch or default_patch(root)).resolve())
+
+
 def _selection_argv(args: argparse.Namespace, bench: BenchOptions | None) -> list[str]:
     """The matrix arguments a host hands on to its image (everything but where inputs, results and caches go)."""
     argv = ["--tier", args.tier]
@@ -153,10 +195,13 @@ def _resume(args: argparse.Namespace) -> str:
     return "none" if args.fresh else "fixed-only" if args.rerun_failed else "finished"
 
 
-def _select(matrix: Matrix, args: argparse.Namespace) -> Selection:
+def _select(matrix: Matrix, args: argparse.Namespace, cache: Cache) -> Selection:
     """The tier's cells on the chosen platforms, narrowed by the axis options and ``--cell``."""
     platforms = _split(args.platform) or [native_platform()]
-    selection = plan_cells(matrix, matrix.tier(args.tier), _wanted(args), platforms)
+    selection = plan_cells(matrix, matrix.tier(args.tier), _git_sources(args, cache), platforms)
+    git_elsewhere = [c for c in selection.cells if c.source and (c.platform != native_platform() or args.in_image)]
+    if git_elsewhere:
+        raise ConfigError(f"{git_elsewhere[0].label}: git sources run on this machine's platform ({native_platform()}), not in an image")
     if args.only:
         known = {c.id for c in selection.cells} | {e.cell.id for e in selection.excluded}
         unknown = [c for c in _split(args.only) or [] if c not in known]
@@ -174,14 +219,15 @@ def matrix_options(args: argparse.Namespace) -> MatrixOptions:
     root = project_root(args.root)
     matrix_file = (args.matrix or default_matrix(root)).resolve()
     matrix = load_matrix(matrix_file)
-    selection = _select(matrix, args)
+    cache = Cache(args.cache_dir.resolve())
+    selection = _select(matrix, args, cache)
     bench = _bench_options(args, matrix.tier(args.tier).benchmarks)
     return MatrixOptions(
         tier=args.tier,
         matrix=matrix_file,
-        patch=load_patch_set((args.patch or default_patch(root)).resolve()) if not args.plan else None,
+        patch=_patch(args, root, selection, cache),
         results=args.results.resolve(),
-        cache=Cache(args.cache_dir.resolve()),
+        cache=cache,
         selection=selection,
         root=root,
         resume=_resume(args),
@@ -209,7 +255,8 @@ def command_matrix(args: argparse.Namespace) -> int:
         return INTERRUPTED_EXIT
     except UnknownVersionError as exc:  # name the versions the matrix knows beside the one it could not find
         axes = load_matrix(options.matrix).axes  # read once, only on this error path
-        outside = [a for a, values in _wanted(args).items() if a in CELL_AXES and any(v not in axes[a] for v in values or ())]
+        wanted = _wanted(args)
+        outside = [a for a, values in wanted.items() if a in CELL_AXES and any(v not in axes[a] and not is_git(v) for v in values or ())]
         if not outside or isinstance(exc, InterpreterNotFound):
             raise
         known = "; ".join(f"{a}: {', '.join(axes[a])}" for a in outside)

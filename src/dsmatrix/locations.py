@@ -1,7 +1,8 @@
 """Where the suite's files come from, however ``dsmatrix`` is installed.
 
-The suite's own files (matrix, patches, engine tests, benchmarks, Dockerfiles) live in the
-repository's ``matrix/``, ``patches/``, ``tests/engine/``, ``tests/bench/`` and ``containers/``
+The suite's own files (matrix, patches, engine tests, benchmarks, the choice of DeepSpeed's own
+tests, Dockerfiles) live in the repository's ``matrix/``, ``patches/``, ``tests/engine/``,
+``tests/bench/``, ``tests/deepspeed/`` and ``containers/``
 folders and ship in the wheel as ``dsmatrix.bundled.*`` (pyproject.toml maps the folders). Run from
 a checkout (source tree or editable install) they are read from the checkout; installed, from the
 package. A *project root* is a folder with ``matrix/matrix.toml`` (``--root``, or found from the
@@ -23,6 +24,7 @@ SUITE_FOLDERS = {
     "engine": "tests/engine",
     "bench": "tests/bench",
     "containers": "containers",
+    "deepspeed_tests": "tests/deepspeed",
 }
 MATRIX_FILE = Path("matrix") / "matrix.toml"
 PATCH = Path("patches") / "zero3-release-cache"

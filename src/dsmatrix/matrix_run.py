@@ -103,7 +103,7 @@ def plan_run(options: MatrixOptions) -> Plan:
         cells = tuple(c for c in todo if c.platform == platform and hosts[c] != "local")
         plan.need_gib += check_disk(Selection(cells, selection.runtime), options.cache.in_image(image_for(platform).name))
     preflight(local, options.patch, options.cache)
-    check_patch({c.deepspeed for c in todo}, options.patch, options.cache)  # also for cells that run in an image
+    check_patch(todo, options.patch, options.cache)  # also for cells that run in an image
     if plan.image_platforms:
         image_source_tree(options.root)  # images need the suite's source tree: say so before anything runs
     return plan

@@ -1,7 +1,8 @@
 """Patch sets: which unified diff fits which DeepSpeed release, and applying it strictly.
 
 A patch set is either a folder with ``manifest.toml`` (one diff per version range, the bundled
-fix) or a single diff file (``--patch my-revision.patch``, used for every version). Diffs are
+fix), a single diff file (``--patch my-revision.patch``, used for every version) or, in PR mode,
+the change between two commits (``pr_change``: described, measured, never applied). Diffs are
 applied with GNU patch at zero fuzz: a hunk whose context moved is an error naming the
 version, file and hunk, never a silently unpatched build.
 """
@@ -37,6 +38,7 @@ class PatchSet:
     source: Path
     sha256: str
     diffs: tuple[RangeDiff, ...]
+    pr: str = ""  # "<base>..<head>" commits: a PR's change, which its head commit carries (never applied)
 
     @property
     def short(self) -> str:
@@ -52,11 +54,14 @@ class PatchSet:
         return matches[0]
 
     def describe(self) -> dict[str, object]:
-        return {
+        data: dict[str, object] = {
             "source": str(self.source),
             "sha256": self.sha256,
             "diffs": [{"versions": str(d.versions), "file": d.path.name} for d in self.diffs],
         }
+        if self.pr:
+            data["pr"] = self.pr
+        return data
 
 
 def _digest(paths: list[Path]) -> str:
@@ -97,6 +102,16 @@ def load_patch_set(source: Path) -> PatchSet:
     return PatchSet(source, _digest([manifest, *[d.path for d in diffs]]), tuple(diffs))
 
 
+def pr_change(diff: str, base: str, head: str, folder: Path) -> PatchSet:
+    """A PR's change (``git diff base head``) kept as ``<folder>/pr-<base12>-<head12>.diff``."""
+    if not diff.strip():
+        raise PatchError(f"--base {base[:10]} --head {head[:10]}: the two commits have the same tree: nothing to qualify")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"pr-{base[:12]}-{head[:12]}.diff"
+    path.write_text(diff)
+    return PatchSet(path, _digest([path]), (RangeDiff(SpecifierSet(""), path),), pr=f"{base}..{head}")
+
+
 def _check_is_diff(path: Path) -> None:
     text = path.read_text(errors="replace")
     if not re.search(r"^--- .*\n\+\+\+ .*\n@@ ", text, re.MULTILINE):
@@ -126,9 +141,11 @@ def _failed_hunks(output: str) -> str:
     for line in output.splitlines():
         if m := re.match(r"(?:checking|patching) file (.+)", line):
             current = m.group(1).strip("'")
+        elif m := re.match(r"\|\+\+\+ (?:b/)?(\S+)", line):  # the header GNU patch quotes for a file it cannot find
+            current = m.group(1)
         elif m := re.match(r"Hunk #(\d+) FAILED at (\d+)", line):
             failures.append(f"{current} hunk #{m.group(1)} FAILED at line {m.group(2)}")
-        elif "can't find file to patch" in line or "No file to patch" in line:
+        elif "No file to patch" in line:
             failures.append(f"{current}: file not found in the source tree")
         elif "Reversed (or previously applied) patch detected" in line:
             failures.append(f"{current}: already applied (reversed patch detected)")

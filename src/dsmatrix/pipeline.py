@@ -13,14 +13,19 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dsmatrix.bench import HEADLINE_RULE, NOT_MEASURED, BenchOptions, cell_throughput, run_leak, run_rounds
-from dsmatrix.builds import build_key, build_wheel, fetch_sdist, unpack_sdist
+from dsmatrix.builds import build_key, build_wheel, ops_digest, source_archive, source_name, unpack_sdist
 from dsmatrix.cache import Cache, materialise
 from dsmatrix.cells import Cell, Selection
+from dsmatrix.change_coverage import REQUIREMENT as COVERAGE_REQUIREMENT
+from dsmatrix.change_coverage import Hunk, changed_hunks, measure, package_root, rcfile, summary_line
+from dsmatrix.deepspeed_tests import REQUIREMENTS as DEEPSPEED_TEST_REQUIREMENTS
+from dsmatrix.deepspeed_tests import compare, copy_tests, load_selection, run_deepspeed_tests
 from dsmatrix.environments import check_installable, ensure_environment, find_interpreter, pip_freeze, uv_executable
 from dsmatrix.errors import DiskSpaceError, FatalError
 from dsmatrix.hosts import describe
@@ -29,7 +34,7 @@ from dsmatrix.locations import suite_path
 from dsmatrix.patches import PatchSet, apply_diff
 from dsmatrix.results import Run, cell_result_skeleton
 from dsmatrix.run import ENGINE_TESTS, TestRun, outcome_dict, outcomes_from_junits, run_engine_tests
-from dsmatrix.verdict import ERROR, cell_verdict
+from dsmatrix.verdict import ERROR, cell_verdict, with_deepspeed_tests
 
 BUILDS = ("stock", "patched")
 # setuptools: torch.utils.cpp_extension imports it to JIT-build DeepSpeed's comm op (torch 2.4)
@@ -44,12 +49,14 @@ BENCH_SCRIPTS = suite_path("bench")
 
 
 def suite_digest() -> str:
-    """sha256 over the suite's own code: this package, the engine tests and the benchmarks. A result
+    """sha256 over the suite's own code: this package, the engine tests, the benchmarks and the choice
+    of DeepSpeed's own tests. A result
     is reused only by the same suite: a changed test, rule or runner invalidates earlier results."""
     sha = hashlib.sha256()
-    for name, folder in (("dsmatrix", PACKAGE), ("engine", ENGINE_TESTS), ("bench", BENCH_SCRIPTS)):
+    folders = (("dsmatrix", PACKAGE), ("engine", ENGINE_TESTS), ("bench", BENCH_SCRIPTS), ("deepspeed", suite_path("deepspeed_tests")))
+    for name, folder in folders:
         for path in sorted(folder.rglob("*")):
-            if path.is_file() and path.suffix in (".py", ".json", ".j2", ".ini") and "__pycache__" not in path.parts:
+            if path.is_file() and path.suffix in (".py", ".json", ".j2", ".ini", ".toml") and "__pycache__" not in path.parts:
                 sha.update(f"{name}/{path.relative_to(folder)}".encode() + b"\0" + path.read_bytes())
     return sha.hexdigest()
 
@@ -87,16 +94,17 @@ def preflight(selection: Selection, patch: PatchSet, cache: Cache) -> None:
         find_interpreter(python)
     for python, torch in sorted({(c.python, c.torch) for c in selection.cells}):
         check_installable(f"torch=={torch}", python)
-    check_patch({c.deepspeed for c in selection.cells}, patch, cache)
+    check_patch(selection.cells, patch, cache)
 
 
-def check_patch(deepspeed_versions: set[str], patch: PatchSet, cache: Cache) -> None:
-    """Every DeepSpeed version has a diff, and it applies to that release's sdist (any platform)."""
-    for deepspeed in sorted(deepspeed_versions):
-        diff = patch.diff_for(deepspeed)
-        sdist = fetch_sdist(deepspeed, cache)
+def check_patch(cells: Sequence[Cell], patch: PatchSet, cache: Cache) -> None:
+    """Every DeepSpeed source has a diff, and it applies to that release's sdist or commit's tree
+    (any platform). PR mode applies nothing: the head commit carries the change."""
+    sources = {c.source_key: c for c in cells if not (c.source and c.source.pr)}
+    for _, cell in sorted(sources.items()):
+        diff = patch.diff_for(cell.deepspeed)
         with tempfile.TemporaryDirectory() as tmp:
-            apply_diff(diff, unpack_sdist(sdist, Path(tmp)), deepspeed)
+            apply_diff(diff, unpack_sdist(source_archive(cell, cache), Path(tmp)), source_name(cell))
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,18 @@ def stage(cell: Cell, what: str) -> None:
     print(f"{cell.label}: {what} ...", flush=True)
 
 
+def build_requirements(cell: Cell, build: str) -> list[str]:
+    """What a build's environment holds besides torch and the wheel: the engine tests' needs,
+    coverage.py in the patched build (changed-line coverage), and for a git source DeepSpeed's
+    own test runner."""
+    requirements = list(TEST_REQUIREMENTS)
+    if build == "patched":
+        requirements.append(COVERAGE_REQUIREMENT)
+    if cell.source:
+        requirements += DEEPSPEED_TEST_REQUIREMENTS
+    return requirements
+
+
 def prepare_builds(cell: Cell, patch: PatchSet, cache: Cache) -> dict[str, PreparedBuild]:
     """Stock and patched wheels built and installed, each in its own environment (all cached)."""
     builds = {}
@@ -128,11 +148,11 @@ def prepare_builds(cell: Cell, patch: PatchSet, cache: Cache) -> dict[str, Prepa
         stage(cell, f"{build} wheel")
         wheel = build_wheel(cell, cache, build_patch)
         stage(cell, f"{build} environment")
-        requirements = [f"torch=={cell.torch}", str(wheel.wheel), *TEST_REQUIREMENTS]
+        requirements = [f"torch=={cell.torch}", str(wheel.wheel), *build_requirements(cell, build)]
         request = {"interpreter": str(interpreter), "requirements": requirements}
         path = cache.environment(cell.id, build_key(build_patch), request)
         env = ensure_environment(path, interpreter, requirements, f"{cell.label} {build}")
-        extensions = cache.extensions(cell.id, wheel.info.get("wheel_sha256", build)[:12])
+        extensions = cache.extensions(cell.id, f"ops-{ops_digest(wheel.wheel)[:12]}")  # stock and patched share it when their ops agree
         builds[build] = PreparedBuild(env.python, extensions, wheel.wheel.name, wheel.info, env.installed, pip_freeze(env.python))
     return builds
 
@@ -223,6 +243,69 @@ def add_benchmarks(result: dict[str, Any], cell: Cell, selection: Selection, pat
     return {**result, "benchmarks": run_benchmarks(builds, selection.runtime, run, cell, bench, describe()["emulated"], cache)}
 
 
+@dataclass
+class ChangeCoverage:
+    """Changed-line coverage of one cell's patched build: the change's hunks, the coverage.py
+    configs the patched test runs start with, and the data they leave."""
+
+    hunks: list[Hunk]
+    other: list[str]
+    root: Path
+    data: Path
+
+    @classmethod
+    def prepare(cls, cell: Cell, patch: PatchSet, build: PreparedBuild, run_root: Path) -> ChangeCoverage:
+        hunks, other = changed_hunks(patch.diff_for(cell.deepspeed).read_text(errors="replace"))
+        data = run_root / "coverage" / cell.id
+        shutil.rmtree(data, ignore_errors=True)
+        return cls(hunks, other, package_root(build.python), data)
+
+    def env(self, context: str) -> dict[str, str]:
+        """The environment variable that makes every process of a patched test run measure the change."""
+        files = sorted({h.file for h in self.hunks})
+        return {"COVERAGE_PROCESS_START": str(rcfile(self.data / f"{context}.coveragerc", self.data, self.root, files, context))}
+
+    def measure(self) -> dict[str, Any]:
+        return measure(self.data, self.root, self.hunks, self.other)
+
+
+def own_tests(
+    cell: Cell, patch: PatchSet, builds: dict[str, PreparedBuild], cache: Cache, run: Run, change: ChangeCoverage
+) -> dict[str, Any]:
+    """DeepSpeed's own selected tests (from the patched source's ``tests/``) on both builds, compared."""
+    selection = load_selection()
+    with tempfile.TemporaryDirectory(dir=run.root, prefix=f".{cell.id}-tests-") as tmp:
+        tree = unpack_sdist(source_archive(cell, cache, "patched"), Path(tmp) / "source")
+        if not (cell.source and cell.source.pr):
+            apply_diff(patch.diff_for(cell.deepspeed), tree, source_name(cell))
+        tests_dir = copy_tests(tree, Path(tmp) / "copy", selection)
+        if tests_dir is None:
+            return {"skipped": f"the source has no {', '.join(selection.paths)}", "selection": str(selection.source)}
+        ran: dict[str, TestRun] = {}
+        for build, b in builds.items():
+            stage(cell, f"{build} DeepSpeed tests")
+            env = change.env("deepspeed") if build == "patched" else {}
+            with cache.using_extensions([b.extensions]):
+                ran[build] = run_deepspeed_tests(
+                    b.python, b.extensions, tests_dir, selection, run.root / "raw", f"{cell.id}-{build}-deepspeed", env
+                )
+    comparison = compare(ran["stock"].outcomes, ran["patched"].outcomes)
+    return {
+        **comparison,
+        "paths": list(selection.paths),
+        "selection": str(selection.source),
+        "builds": {
+            build: {
+                "junit": [str(p.relative_to(run.root)) for p in r.junits],
+                "logs": [str(p.relative_to(run.root)) for p in r.logs],
+                "tests_s": round(r.duration_s, 1),
+                "tests": {t: outcome_dict(o) for t, o in sorted(r.outcomes.items())},
+            }
+            for build, r in ran.items()
+        },
+    }
+
+
 def run_cell(
     cell: Cell,
     selection: Selection,
@@ -245,6 +328,7 @@ def run_cell(
         builds = prepare_builds(cell, patch, cache)
         result["builds"] = {build: b.facts() for build, b in builds.items()}
         setup_s = time.monotonic() - started
+        change = ChangeCoverage.prepare(cell, patch, builds["patched"], run.root)
         runs = {}
         for build, b in builds.items():
             stage(cell, f"{build} engine tests")
@@ -254,16 +338,22 @@ def run_cell(
                     result["builds"][build]["tests_reused_from"] = reused_from
             else:
                 with cache.using_extensions([b.extensions]):
-                    runs[build] = run_engine_tests(b.python, b.extensions, selection.runtime, run.root / "raw", f"{cell.id}-{build}")
+                    runs[build] = run_engine_tests(
+                        b.python, b.extensions, selection.runtime, run.root / "raw", f"{cell.id}-{build}", env_extra=change.env("engine")
+                    )
             result["builds"][build].update(
                 junit=[str(path.relative_to(run.root)) for path in runs[build].junits],
                 logs=[str(path.relative_to(run.root)) for path in runs[build].logs],
                 tests_s=round(runs[build].duration_s, 1),
                 tests={t: outcome_dict(o) for t, o in sorted(runs[build].outcomes.items())},
             )
-        tests_s = time.monotonic() - started - setup_s
         verdict = cell_verdict(runs["stock"].outcomes, runs["patched"].outcomes)
-        result.update(verdict=verdict.verdict, reasons=list(verdict.reasons))
+        if cell.source:
+            result["deepspeed_tests"] = own_tests(cell, patch, builds, cache, run, change)
+            verdict = with_deepspeed_tests(verdict, result["deepspeed_tests"])
+        result["change_coverage"] = change.measure()
+        tests_s = time.monotonic() - started - setup_s
+        result.update(verdict=verdict.verdict, reasons=[*verdict.reasons, summary_line(result["change_coverage"])])
         if bench is not None:
             stage(cell, "benchmarks")
             result["benchmarks"] = run_benchmarks(builds, selection.runtime, run, cell, bench, result["host"]["emulated"], cache)

@@ -164,9 +164,49 @@ def _observations(result: dict[str, Any]) -> dict[str, Any]:
     return shown
 
 
+OWN_TEST_KEYS = ("stock", "patched", "regressions", "failing_on_both", "fixed", "paths", "skipped")
+
+
+def _evidence(cell: dict[str, Any]) -> dict[str, Any] | None:
+    """What the skip-gpu-test label asks for, per cell: where the change came from, every changed
+    hunk with the tests that executed it, each bug's stock failure and patched pass, and DeepSpeed's
+    own tests on both builds."""
+    coverage = cell.get("change_coverage")
+    if not coverage:
+        return None
+    builds = cell.get("builds", {})
+    stock, patched = builds.get("stock", {}).get("tests", {}), builds.get("patched", {}).get("tests", {})
+    bugs = []
+    for test_id in sorted(stock):
+        before, after = stock[test_id], patched.get(test_id, {})
+        if before.get("bug") and before.get("outcome") != "skipped":
+            observed = before.get("bug_observed")
+            bugs.append(
+                {
+                    "bug": before["bug"],
+                    "test": test_id,
+                    "stock": before.get("outcome"),
+                    "stock_observed": json.dumps(observed) if observed is not None and not isinstance(observed, str) else observed or "",
+                    "patched": after.get("outcome", "absent"),
+                }
+            )
+    own = cell.get("deepspeed_tests") or {}
+    git = cell["cell"].get("git") or {}
+    pr = cell.get("patch", {}).get("pr", "")
+    return {
+        "git": git,
+        "change": f"PR diff {pr.replace('..', ' .. ')}" if pr else f"{cell.get('patch', {}).get('source', '')}",
+        "coverage": coverage,
+        "complete": coverage.get("changed_lines", 0) == coverage.get("executed_lines", -1),
+        "bugs": bugs,
+        "own_tests": {k: own[k] for k in OWN_TEST_KEYS if k in own},
+    }
+
+
 def _cell_entry(cell: dict[str, Any]) -> dict[str, Any]:
     c, builds = cell["cell"], cell.get("builds", {})
     return {
+        "evidence": _evidence(cell),
         "id": c["id"],
         "label": c["label"],
         "platform": c.get("platform", "linux/amd64"),

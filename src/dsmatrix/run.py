@@ -122,6 +122,7 @@ def run_engine_tests(
     out_dir: Path,
     name: str,
     timeout_s: float = 3600,
+    env_extra: Mapping[str, str] | None = None,
 ) -> TestRun:
     """Run the engine tests with ``python`` at every selected world size, one pytest per rank.
 
@@ -135,7 +136,7 @@ def run_engine_tests(
     junits: list[Path] = []
     logs: list[Path] = []
     for world_size in (int(ws) for ws in runtime.get("world_size", ("1",))):
-        per_rank = _run_ranks(python, extensions_dir, runtime, world_size, out_dir, name, timeout_s)
+        per_rank = _run_ranks(python, extensions_dir, runtime, world_size, out_dir, name, timeout_s, env_extra or {})
         junits += [junit for junit, _ in per_rank]
         logs += [log for _, log in per_rank]
         merged = merge_ranks([read_junit(junit) for junit, _ in per_rank])
@@ -146,7 +147,14 @@ def run_engine_tests(
 
 
 def _run_ranks(
-    python: Path, extensions_dir: Path, runtime: Mapping[str, Sequence[str]], world_size: int, out_dir: Path, name: str, timeout_s: float
+    python: Path,
+    extensions_dir: Path,
+    runtime: Mapping[str, Sequence[str]],
+    world_size: int,
+    out_dir: Path,
+    name: str,
+    timeout_s: float,
+    env_extra: Mapping[str, str],
 ) -> list[tuple[Path, Path]]:
     """Launch one pytest process per rank on one rendezvous; wait for all of them."""
     port = free_port()
@@ -160,7 +168,7 @@ def _run_ranks(
             f"--dtype={','.join(runtime['dtype'])}", f"--checkpointing={','.join(runtime['checkpointing'])}",
         ]  # fmt: skip
         with log.open("w") as out:
-            env = test_environment(python, extensions_dir, port, rank, world_size)
+            env = {**test_environment(python, extensions_dir, port, rank, world_size), **env_extra}
             procs.append((processes.start(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ENGINE_TESTS), junit, log))
     deadline = time.monotonic() + timeout_s
     try:
@@ -230,12 +238,13 @@ def merge_ranks(per_rank: Sequence[Mapping[str, TestOutcome]]) -> dict[str, Test
     return merged
 
 
-def read_junit(path: Path) -> dict[str, TestOutcome]:
-    """Outcome per test id (``file::name[params]``) from a pytest JUnit XML file."""
+def read_junit(path: Path, full_ids: bool = False) -> dict[str, TestOutcome]:
+    """Outcome per test id (``file::name[params]``; ``full_ids``: ``dotted.module.Class::name[params]``)
+    from a pytest JUnit XML file."""
     outcomes: dict[str, TestOutcome] = {}
     for suite in JUnitXml.fromfile(str(path)):
         for case in suite:
-            test_file = case.classname.rsplit(".", 1)[-1] if case.classname else "?"
+            test_file = (case.classname if full_ids else case.classname.rsplit(".", 1)[-1]) if case.classname else "?"
             test_id = f"{test_file}::{case.name}"
             found = case.child(Properties)
             properties = {p.name: p.value for p in found} if found is not None else {}

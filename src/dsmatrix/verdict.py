@@ -155,6 +155,22 @@ def _patched_failure(test: str, outcome: TestOutcome) -> str:
     return f"patched {outcome.outcome}: {test}: {outcome.message} ({kind})"
 
 
+def with_deepspeed_tests(verdict: Verdict, comparison: Mapping[str, object]) -> Verdict:
+    """The engine-test verdict with DeepSpeed's own tests (``deepspeed_tests.compare``) added: a test
+    that passes on stock and fails on patched makes a ``fixed`` or ``undetected`` cell
+    ``not-fixed``, naming it; tests failing on both builds are listed, not blamed on the fix."""
+    regressions = list(comparison.get("regressions") or [])  # type: ignore[call-overload]
+    broke = tuple(f"DeepSpeed's own test passes on stock, fails on patched: {r['test']}: {r['message']}" for r in regressions)
+    counts = comparison.get("patched") or {}
+    summary = f"DeepSpeed's own tests: {counts.get('passed', 0)} passed, {len(regressions)} broken by the change"  # type: ignore[union-attr]
+    both = list(comparison.get("failing_on_both") or [])  # type: ignore[call-overload]
+    if both:
+        summary += f", {len(both)} failing on both builds (not the change's doing)"
+    if broke and verdict.verdict in (FIXED, UNDETECTED):
+        return Verdict(NOT_FIXED, broke + (summary,))
+    return Verdict(verdict.verdict, verdict.reasons + broke + (summary,))
+
+
 def exit_code(verdicts: list[str]) -> int:
     """0 only when every selected cell is fixed."""
     return 0 if verdicts and all(v == FIXED for v in verdicts) else 1

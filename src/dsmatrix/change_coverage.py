@@ -1,0 +1,133 @@
+"""Changed-line coverage: which lines the change adds or alters ran in the patched build, and under which tests.
+
+The change is a unified diff: the patch's diff for the cell's version, or PR mode's ``git diff base
+head``. unidiff parses it; the added lines of ``deepspeed/**.py`` files are the changed lines,
+mapped onto the patched wheel's installed files. coverage.py measures every Python process of
+the patched build's test runs: the environment has coverage installed (its wheel's ``.pth``
+starts measuring in any process that finds ``COVERAGE_PROCESS_START``), ``patch = fork, _exit``
+follows pytest-forked children and DeepSpeed's forkserver ranks, ``include`` limits measuring to
+the changed files, and dynamic contexts name the test function that ran a line (static context:
+``engine`` or ``deepspeed``). A changed line that coverage.py does not count as a statement
+(blank, comment, a docstring's continuation) is not counted; every other one must have run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from unidiff import PatchSet as UnifiedDiff
+
+PACKAGE_PREFIX = "deepspeed/"
+REQUIREMENT = "coverage>=7.10"  # patch = fork and _exit
+
+
+@dataclass(frozen=True)
+class Hunk:
+    file: str  # path in the source tree, e.g. deepspeed/runtime/zero/partitioned_param_coordinator.py
+    header: str  # @@ -a,b +c,d @@ section
+    added: tuple[int, ...]  # line numbers in the changed file
+    texts: Mapping[int, str] = field(default_factory=dict)
+
+
+def changed_hunks(diff: str) -> tuple[list[Hunk], list[str]]:
+    """The hunks that add lines to DeepSpeed's Python package, and the other changed files (not measured)."""
+    hunks, other = [], []
+    for patched_file in UnifiedDiff(diff):
+        path = patched_file.target_file[2:] if patched_file.target_file.startswith("b/") else patched_file.target_file
+        if patched_file.is_removed_file or not (path.startswith(PACKAGE_PREFIX) and path.endswith(".py")):
+            other.append(patched_file.path)
+            continue
+        for hunk in patched_file:
+            added = {line.target_line_no: line.value.rstrip("\n") for line in hunk if line.is_added and line.target_line_no}
+            if added:
+                header = f"@@ -{hunk.source_start},{hunk.source_length} +{hunk.target_start},{hunk.target_length} @@ {hunk.section_header}"
+                hunks.append(Hunk(path, header.strip(), tuple(sorted(added)), added))
+    return hunks, other
+
+
+def rcfile(path: Path, data_dir: Path, package_root: Path, files: Sequence[str], context: str) -> Path:
+    """A coverage.py config measuring ``files`` (source-tree paths) below ``package_root`` (the
+    folder holding the installed ``deepspeed``), one data file per process in ``data_dir``."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    include = ",\n    ".join(str(package_root / f) for f in files) or str(package_root / "deepspeed" / "__nothing__")
+    path.write_text(
+        "[run]\n"
+        f"data_file = {data_dir / '.coverage'}\n"
+        "parallel = true\n"
+        f"context = {context}\n"
+        "dynamic_context = test_function\n"
+        "patch = fork, _exit\n"
+        f"include =\n    {include}\n"
+    )
+    return path
+
+
+def package_root(python: Path) -> Path:
+    """The site-packages folder the environment's ``deepspeed`` is installed in."""
+    code = "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('deepspeed').origin).parent.parent)"
+    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True)
+    return Path(proc.stdout.strip())
+
+
+def measure(data_dir: Path, root: Path, hunks: Sequence[Hunk], other: Sequence[str]) -> dict[str, object]:
+    """Combine the processes' data and judge every changed line: executed or not, and by which tests."""
+    import coverage  # the suite's own dependency; imported here, as only cells with a change need it
+
+    cov = coverage.Coverage(data_file=str(data_dir / ".coverage"), config_file=False)
+    files = [str(p) for p in data_dir.glob(".coverage.*")]
+    if files:
+        cov.combine(files, keep=True)
+    data = cov.get_data()
+    result_hunks, missing = [], []
+    counted = executed = 0
+    for hunk in hunks:
+        path = str(root / hunk.file)
+        statements = set(cov.analysis2(path)[1]) if Path(path).is_file() else set()
+        ran = set(data.lines(path) or ())
+        by_line = data.contexts_by_lineno(path) if ran else {}
+        lines = [n for n in hunk.added if n in statements]
+        tests = sorted({_test_name(c) for n in lines for c in by_line.get(n, ()) if _test_name(c)})
+        hunk_missing = [n for n in lines if n not in ran]
+        counted += len(lines)
+        executed += len(lines) - len(hunk_missing)
+        missing += [{"file": hunk.file, "line": n, "text": hunk.texts.get(n, "").strip()} for n in hunk_missing]
+        result_hunks.append(
+            {
+                "file": hunk.file,
+                "header": hunk.header,
+                "lines": len(lines),
+                "executed": len(lines) - len(hunk_missing),
+                "missing": hunk_missing,
+                "tests": tests,
+            }
+        )
+    return {
+        "changed_lines": counted,
+        "executed_lines": executed,
+        "missing": missing,
+        "hunks": result_hunks,
+        "not_measured": sorted(set(other)),
+        "processes": len(files),
+    }
+
+
+def _test_name(context: str) -> str:
+    """``engine|TestX.test_y`` as ``engine: TestX.test_y``; the static part alone (import time) is no test."""
+    static, _, dynamic = context.partition("|")
+    return f"{static}: {dynamic}" if dynamic else ""
+
+
+def summary_line(measured: Mapping[str, object]) -> str:
+    line = f"changed lines executed {measured['executed_lines']}/{measured['changed_lines']}"
+    missing = measured.get("missing") or []
+    if missing:
+        line += "; never executed: " + ", ".join(f"{m['file'].rsplit('/', 1)[-1]}:{m['line']}" for m in missing)  # type: ignore[index]
+    return line
+
+
+def dump(measured: Mapping[str, object], path: Path) -> None:
+    path.write_text(json.dumps(measured, indent=2))

@@ -1,0 +1,121 @@
+"""DeepSpeed's own ZeRO-3 unit tests, run on the stock and the patched build of a git source.
+
+Which tests: ``tests/deepspeed/selection.toml`` (what it holds and how it was chosen is written
+there). How: as DeepSpeed's CPU workflow runs them (``cd tests; pytest --forked -n N <paths>``),
+with their ``conftest.py`` and ``pytest.ini``, from a copy of the patched source's ``tests/``
+folder (the same tests on both builds, so a test the change adds runs on stock too). The copy
+sits outside the source tree on purpose: their conftest puts the folder above ``tests/`` first on
+``sys.path`` (for checkouts), which in the tree would import the unbuilt sources instead of the
+installed wheel.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsmatrix import processes
+from dsmatrix.errors import ConfigError, RunError
+from dsmatrix.locations import suite_path
+from dsmatrix.run import PYTEST_OK, TestOutcome, TestRun, read_junit, test_environment
+
+SELECTION_FILE = "selection.toml"
+# Their requirements-dev.txt pins pytest below 8.4; pytest-forked and pytest-xdist run them as their workflow does.
+REQUIREMENTS = ("pytest>=7.2.0,<8.4.0", "pytest-forked", "pytest-xdist")
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_PORT", "MASTER_ADDR")
+
+
+@dataclass(frozen=True)
+class DeepSpeedTests:
+    """The chosen test files (relative to the source's ``tests/``) and how to run them."""
+
+    paths: tuple[str, ...]
+    workers: int
+    timeout_s: float
+    source: Path
+
+
+def load_selection(path: Path | None = None) -> DeepSpeedTests:
+    path = path or suite_path("deepspeed_tests") / SELECTION_FILE
+    try:
+        data = tomllib.loads(path.read_text())
+        paths = tuple(str(p) for p in data["paths"])
+        return DeepSpeedTests(paths, int(data.get("workers", 2)), float(data.get("timeout_minutes", 30)) * 60, path)
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a DeepSpeed test selection (paths = [...], workers, timeout_minutes): {exc}") from None
+
+
+def copy_tests(tree: Path, into: Path, selection: DeepSpeedTests) -> Path | None:
+    """Copy ``tree/tests`` to ``into/tests``; None when the source has none of the selected files
+    (a release sdist ships no tests)."""
+    tests = tree / "tests"
+    if not all((tests / p).exists() for p in selection.paths):
+        return None
+    target = into / "tests"
+    shutil.copytree(tests, target, ignore=shutil.ignore_patterns("__pycache__"))
+    return target
+
+
+def run_deepspeed_tests(
+    python: Path,
+    extensions_dir: Path,
+    tests_dir: Path,
+    selection: DeepSpeedTests,
+    out_dir: Path,
+    name: str,
+    env_extra: Mapping[str, str] | None = None,
+) -> TestRun:
+    """Run the selected files in ``tests_dir`` with ``python`` (``env_extra``: e.g. coverage's
+    ``COVERAGE_PROCESS_START``); RunError unless pytest ran them and wrote its JUnit XML."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    junit = out_dir / f"{name}.xml"
+    log = out_dir / f"{name}.log"
+    command = [
+        str(python), "-m", "pytest", "--forked", "-n", str(selection.workers), "-p", "no:cacheprovider", "-p", "no:randomly",
+        "-o", "junit_family=xunit1", f"--junitxml={junit}", "-rfE", *selection.paths,
+    ]  # fmt: skip
+    env = {k: v for k, v in test_environment(python, extensions_dir, 0, 0, 1).items() if k not in RANK_VARIABLES}
+    env.update(env_extra or {})
+    env["DS_UNITTEST_TIMEOUT"] = str(int(selection.timeout_s))  # their per-test hang guard
+    started = time.monotonic()
+    with log.open("w") as out:
+        proc = processes.start(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tests_dir)
+        try:
+            proc.wait(timeout=selection.timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RunError(f"DeepSpeed's tests timed out after {selection.timeout_s / 60:.0f} min (log: {log})") from None
+        finally:
+            processes.stop(proc)
+    if proc.returncode not in PYTEST_OK or not junit.is_file():
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise RunError(f"DeepSpeed's tests exited {proc.returncode}: {tail[0][:300]} (log: {log})")
+    return TestRun(read_junit(junit, full_ids=True), time.monotonic() - started, (junit,), (log,))
+
+
+def counts(outcomes: Mapping[str, TestOutcome]) -> dict[str, int]:
+    found = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    for outcome in outcomes.values():
+        found[outcome.outcome] = found.get(outcome.outcome, 0) + 1
+    return found
+
+
+def compare(stock: Mapping[str, TestOutcome], patched: Mapping[str, TestOutcome]) -> dict[str, object]:
+    """Stock against patched: ``regressions`` pass on stock and fail (or vanish) on patched — the
+    change broke them; ``failing_on_both`` are not the change's doing; ``fixed`` fail on stock
+    and pass on patched (tests that show the bug)."""
+    bad = ("failed", "error")
+    regressions, both, fixed = [], [], []
+    for test_id in sorted(set(stock) | set(patched)):
+        before, after = stock.get(test_id), patched.get(test_id)
+        if before is not None and before.outcome == "passed" and (after is None or after.outcome in bad):
+            regressions.append({"test": test_id, "message": after.message if after else "not run on patched"})
+        elif before is not None and after is not None and before.outcome in bad and after.outcome in bad:
+            both.append({"test": test_id, "stock": before.message, "patched": after.message})
+        elif before is not None and after is not None and before.outcome in bad and after.outcome == "passed":
+            fixed.append({"test": test_id, "stock": before.message})
+    return {"stock": counts(stock), "patched": counts(patched), "regressions": regressions, "failing_on_both": both, "fixed": fixed}

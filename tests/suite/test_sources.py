@@ -1,0 +1,151 @@
+"""Git sources: refs resolved to commits, cell ids, PR mode's change, and bad input in one line."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+from dsmatrix.cache import Cache
+from dsmatrix.cells import make_cell
+from dsmatrix.errors import ConfigError, UnknownVersionError
+from dsmatrix.sources import GitSource, changed_diff, resolve, source_tarball, split_spec
+
+GIT_ENV = {f"GIT_{who}_{what}": value for who in ("AUTHOR", "COMMITTER") for what, value in (("NAME", "t"), ("EMAIL", "t@example.invalid"))}
+
+
+def git(repo: Path, *args: str) -> str:
+    import os
+
+    proc = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, env={**os.environ, **GIT_ENV}, check=True)
+    return proc.stdout.strip()
+
+
+@pytest.fixture
+def fake_repo(tmp_path: Path) -> Path:
+    """A tiny repository shaped like DeepSpeed's: master (0.19.6), a tag, a branch that changes a file, a PR ref."""
+    repo = tmp_path / "DeepSpeed"
+    (repo / "deepspeed").mkdir(parents=True)
+    (repo / "version.txt").write_text("0.19.6\n")
+    (repo / "deepspeed" / "coordinator.py").write_text("def release():\n    return 1\n")
+    git(repo, "init", "-q", "-b", "master")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "base")
+    git(repo, "tag", "v0.19.6")
+    git(repo, "checkout", "-qb", "fix")
+    (repo / "deepspeed" / "coordinator.py").write_text("def release():\n    cache = {}\n    return cache\n")
+    git(repo, "commit", "-qam", "fix")
+    git(repo, "update-ref", "refs/pull/7/head", "fix")
+    git(repo, "checkout", "-q", "master")
+    return repo
+
+
+def test_refs_resolve_to_commits(fake_repo: Path, tmp_path: Path) -> None:
+    cache = Cache(tmp_path / "cache")
+    base, fix = git(fake_repo, "rev-parse", "master"), git(fake_repo, "rev-parse", "fix")
+    assert resolve(f"git:{fake_repo}@master", cache, "--deepspeed").commit == base
+    assert resolve(f"git:{fake_repo}@v0.19.6", cache, "--deepspeed").commit == base
+    assert resolve(f"git:{fake_repo}", cache, "--deepspeed").commit == base  # HEAD
+    assert resolve(f"git:{fake_repo}@{fix[:12]}", cache, "--deepspeed").commit == fix
+    pr = resolve(f"git:{fake_repo}@refs/pull/7/head", cache, "--deepspeed")  # outside heads and tags: fetched by name
+    assert (pr.commit, pr.version, pr.tag) == (fix, "0.19.6", f"refs_pull_7_head.{fix[:10]}")
+
+
+def test_cell_names_ref_and_commit_and_keeps_the_version(fake_repo: Path, tmp_path: Path) -> None:
+    cache = Cache(tmp_path / "cache")
+    base = resolve(f"git:{fake_repo}@master", cache, "--deepspeed")
+    cell = make_cell("3.11", "2.13.0+cpu", GitSource(base))
+    assert cell.deepspeed == "0.19.6" and cell.source_key == f"git-{base.commit}"
+    assert cell.id == f"py3.11-torch2.13.0+cpu-ds0.19.6-git.master.{base.short}"
+    assert cell.label == f"matrix(py3.11, torch2.13.0+cpu, ds0.19.6 git master@{base.short})"
+    head = resolve(f"git:{fake_repo}@fix", cache, "--head")
+    pr = make_cell("3.11", "2.13.0+cpu", GitSource(base, head))
+    assert pr.id.endswith(f"-pr.master.{base.short}..fix.{head.short}")
+    assert pr.values()["deepspeed_source"] == f"{fake_repo}@{base.commit}..{head.commit}"
+
+
+def test_tarball_is_the_commit_tree_and_the_change_is_the_diff(fake_repo: Path, tmp_path: Path) -> None:
+    import tarfile
+
+    cache = Cache(tmp_path / "cache")
+    base = resolve(f"git:{fake_repo}@master", cache, "--deepspeed")
+    head = resolve(f"git:{fake_repo}@fix", cache, "--head")
+    with tarfile.open(source_tarball(head, cache)) as tar:
+        names = tar.getnames()
+        member = tar.extractfile(f"deepspeed-{head.short}/deepspeed/coordinator.py")
+        assert member is not None and b"cache = {}" in member.read()
+    assert f"deepspeed-{head.short}/version.txt" in names
+    diff = changed_diff(GitSource(base, head), cache)
+    assert "+    cache = {}" in diff and "deepspeed/coordinator.py" in diff
+
+
+def test_bad_git_sources_say_what_is_wrong(fake_repo: Path, tmp_path: Path) -> None:
+    cache = Cache(tmp_path / "cache")
+    with pytest.raises(UnknownVersionError, match="no such branch, tag, ref or commit"):
+        resolve(f"git:{fake_repo}@no-such-branch", cache, "--deepspeed")
+    with pytest.raises(UnknownVersionError, match="does not exist"):
+        resolve(f"git:{tmp_path}/nowhere@master", cache, "--deepspeed")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.raises(UnknownVersionError, match="cannot fetch"):
+        resolve(f"git:{plain}@master", cache, "--deepspeed")
+    git(fake_repo, "checkout", "-qb", "not-deepspeed")
+    git(fake_repo, "rm", "-q", "version.txt")
+    git(fake_repo, "commit", "-qm", "drop version")
+    with pytest.raises(UnknownVersionError, match="is not a DeepSpeed source: no version.txt"):
+        resolve(f"git:{fake_repo}@not-deepspeed", cache, "--deepspeed")
+    with pytest.raises(ConfigError, match="say which repository"):
+        split_spec("git:@master", "--deepspeed")
+
+
+def test_scp_style_urls_keep_their_at_sign() -> None:
+    scp = "git@github.com:deepspeedai/DeepSpeed.git"
+    assert split_spec(f"git:{scp}", "x") == (scp, "")
+    assert split_spec(f"git:{scp}@v0.19.6", "x") == (scp, "v0.19.6")
+    assert split_spec("git:https://github.com/deepspeedai/DeepSpeed@refs/pull/1/head", "x")[1] == "refs/pull/1/head"
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (["--head", "fix"], "--head needs exactly one --deepspeed value, the repository"),
+        (["--deepspeed", "0.19.8", "--head", "fix"], "--head needs exactly one --deepspeed value"),
+        (["--deepspeed", "git:{repo}", "--base", "master"], "--base needs --head"),
+        (["--deepspeed", "git:{repo}@master", "--base", "master", "--head", "fix"], "give the base ref once"),
+        (["--deepspeed", "git:{repo}", "--base", "master", "--head", "v0.19.6"], "are the same commit"),
+        (["--deepspeed", "git:{repo}@nope"], "git:{repo}@nope: no such branch, tag, ref or commit"),
+        (["--deepspeed", "git:{repo}@fix", "--platform", "linux/arm64"], "git sources run on this machine's platform"),
+        (["--deepspeed", "git:{repo}", "--base", "master", "--head", "fix", "--patch", "x.diff"], "PR mode applies no diff"),
+    ],
+)
+def test_git_bad_input_is_one_line(fake_repo: Path, tmp_path: Path, args: list[str], expect: str) -> None:
+    args = [a.replace("{repo}", str(fake_repo)) for a in args]
+    where = ["--cache-dir", str(tmp_path / "cache"), "--results", str(tmp_path / "r")]
+    proc = run_cli("matrix", "--tier", "smoke", *where, *args, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode in (2, 4, 6), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("dsmatrix: error: "), proc.stderr
+    assert expect.replace("{repo}", str(fake_repo)) in lines[0], lines[0]
+    assert not (tmp_path / "r").exists()
+
+
+def test_plan_of_a_pr(fake_repo: Path, tmp_path: Path) -> None:
+    import json
+
+    args = ["--deepspeed", f"git:{fake_repo}", "--base", "master", "--head", "refs/pull/7/head", "--plan", "--json"]
+    proc = run_cli("matrix", "--tier", "smoke", "--cache-dir", str(tmp_path / "cache"), *args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (cell,) = json.loads(proc.stdout)["include"]
+    assert cell["deepspeed"] == "0.19.6" and cell["git"]["head"]["ref"] == "refs/pull/7/head"
+    assert "-pr.master." in cell["id"] and "..refs_pull_7_head." in cell["id"]
+
+
+def test_a_diff_that_does_not_apply_to_the_commit_is_one_line(fake_repo: Path, tmp_path: Path) -> None:
+    args = ["--deepspeed", f"git:{fake_repo}@master", "--cache-dir", str(tmp_path / "cache"), "--results", str(tmp_path / "r")]
+    proc = run_cli("matrix", "--tier", "smoke", *args, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 7 and len(lines) == 1, proc.stderr
+    assert f"DeepSpeed git:{fake_repo}@master (0.19.6, " in lines[0] and "deepspeed-0.19.3-and-later.diff does not apply" in lines[0]
+    assert "partitioned_param_coordinator.py: file not found" in lines[0]
