@@ -61,11 +61,12 @@ class Cell:
         return (self.platform, Version(self.python), Version(self.torch), Version(self.deepspeed))
 
     def values(self) -> dict[str, str]:
-        """The axis values (what rules match), and for a git source its commits (``location@commit[..commit]``)."""
+        """The axis values (what rules match), and for a git source its commits (``git-<commit>[..<commit>]``:
+        a commit names its tree wherever it was fetched from, so results and builds are shared by commit)."""
         values = {"python": self.python, "torch": self.torch, "deepspeed": self.deepspeed, PLATFORM: self.platform}
         if self.source:
             head = f"..{self.source.head.commit}" if self.source.head else ""
-            values["deepspeed_source"] = f"{self.source.base.location}@{self.source.base.commit}{head}"
+            values["deepspeed_source"] = f"git-{self.source.base.commit}{head}"
         return values
 
     def as_dict(self) -> dict[str, object]:

@@ -20,6 +20,7 @@ from dsmatrix import __version__
 from dsmatrix.bench import DEFAULT_MARGIN, DEFAULT_MAX_ROUNDS, DEFAULT_MINUTES, BenchOptions
 from dsmatrix.cache import Cache, default_root
 from dsmatrix.cells import Cell, Selection, plan_cells
+from dsmatrix.deepspeed_tests import load_selection
 from dsmatrix.errors import ConfigError, FatalError, InterpreterNotFound, UnknownVersionError
 from dsmatrix.hosts import native_platform
 from dsmatrix.images import IMAGES, build_image, docker_engine, ensure_emulation, image_for, inside_view
@@ -46,6 +47,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     matrix.add_argument("--patch", type=Path, help="manifest folder or a single diff (default: the project's fix, else the bundled one)")
     matrix.add_argument("--base", metavar="REF", help="PR mode, with --deepspeed git:REPO: stock from this ref (default: its @REF)")
     matrix.add_argument("--head", metavar="REF", help="PR mode: patched is built from this ref of the same repository, no diff applied")
+    matrix.add_argument(
+        "--deepspeed-tests",
+        default="core",
+        metavar="SET",
+        help="git sources: the set of DeepSpeed's own tests to run on both builds (tests/deepspeed/selection.toml: core, full; or none)",
+    )
     matrix.add_argument("--results", type=Path, default=Path("results"))
     matrix.add_argument("--cache-dir", type=Path, default=default_root())
     matrix.add_argument("--plan", action="store_true", help="print the selected cells (and excluded ones) and exit")
@@ -222,6 +229,8 @@ def matrix_options(args: argparse.Namespace) -> MatrixOptions:
     cache = Cache(args.cache_dir.resolve())
     selection = _select(matrix, args, cache)
     bench = _bench_options(args, matrix.tier(args.tier).benchmarks)
+    if args.deepspeed_tests != "none":
+        load_selection(args.deepspeed_tests)  # an unknown set fails here, in one line
     return MatrixOptions(
         tier=args.tier,
         matrix=matrix_file,
@@ -235,6 +244,7 @@ def matrix_options(args: argparse.Namespace) -> MatrixOptions:
         base_image=args.base_image,
         bench=bench,
         image_argv=tuple(_selection_argv(args, bench)),
+        own_tests=args.deepspeed_tests,
     )
 
 

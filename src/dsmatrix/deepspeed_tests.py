@@ -1,12 +1,15 @@
 """DeepSpeed's own ZeRO-3 unit tests, run on the stock and the patched build of a git source.
 
-Which tests: ``tests/deepspeed/selection.toml`` (what it holds and how it was chosen is written
-there). How: as DeepSpeed's CPU workflow runs them (``cd tests; pytest --forked -n N <paths>``),
-with their ``conftest.py`` and ``pytest.ini``, from a copy of the patched source's ``tests/``
-folder (the same tests on both builds, so a test the change adds runs on stock too). The copy
-sits outside the source tree on purpose: their conftest puts the folder above ``tests/`` first on
+Which tests: a named set of ``tests/deepspeed/selection.toml`` (``--deepspeed-tests core``, the
+default, or ``full``; what each holds and how it was chosen is written there).
+
+How: as DeepSpeed's CPU workflow runs them (``cd tests; pytest --forked -n N <paths>``), with
+their ``conftest.py`` and ``pytest.ini``, from a copy of the patched source's ``tests/`` folder
+(the same tests on both builds, so a test the change adds runs on stock too). The copy sits
+outside the source tree on purpose: their conftest puts the folder above ``tests/`` first on
 ``sys.path`` (for checkouts), which in the tree would import the unbuilt sources instead of the
-installed wheel.
+installed wheel. ``LOCAL_SIZE=2``: DeepSpeed's CPU accelerator counts its devices from it (else
+from NUMA nodes, one here), so their two-rank tests run as two CPU ranks instead of skipping.
 """
 
 from __future__ import annotations
@@ -27,34 +30,55 @@ from dsmatrix.run import PYTEST_OK, TestOutcome, TestRun, read_junit, test_envir
 SELECTION_FILE = "selection.toml"
 # Their requirements-dev.txt pins pytest below 8.4; pytest-forked and pytest-xdist run them as their workflow does.
 REQUIREMENTS = ("pytest>=7.2.0,<8.4.0", "pytest-forked", "pytest-xdist")
+DEVICES = 2
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_PORT", "MASTER_ADDR")
 
 
 @dataclass(frozen=True)
 class DeepSpeedTests:
-    """The chosen test files (relative to the source's ``tests/``) and how to run them."""
+    """One named set of test files or node ids (relative to the source's ``tests/``) and how to run them."""
 
+    name: str
     paths: tuple[str, ...]
     workers: int
     timeout_s: float
     source: Path
 
 
-def load_selection(path: Path | None = None) -> DeepSpeedTests:
-    path = path or suite_path("deepspeed_tests") / SELECTION_FILE
+def selection_file() -> Path:
+    return suite_path("deepspeed_tests") / SELECTION_FILE
+
+
+def set_names(path: Path | None = None) -> list[str]:
+    return list(_read(path or selection_file()).get("sets", {}))
+
+
+def _read(path: Path) -> dict:
     try:
-        data = tomllib.loads(path.read_text())
-        paths = tuple(str(p) for p in data["paths"])
-        return DeepSpeedTests(paths, int(data.get("workers", 2)), float(data.get("timeout_minutes", 30)) * 60, path)
-    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{path}: not a DeepSpeed test selection (paths = [...], workers, timeout_minutes): {exc}") from None
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: not a DeepSpeed test selection: {exc}") from None
+
+
+def load_selection(name: str, path: Path | None = None) -> DeepSpeedTests:
+    """The set ``name`` of ``selection.toml`` ([sets.<name>] paths = [...]; workers, timeout_minutes)."""
+    path = path or selection_file()
+    data = _read(path)
+    sets = data.get("sets", {})
+    if name not in sets:
+        raise ConfigError(f"--deepspeed-tests {name}: not a set of {path} ({', '.join(sets) or 'none'}, or none)")
+    try:
+        paths = tuple(str(p) for p in sets[name]["paths"])
+        return DeepSpeedTests(name, paths, int(data.get("workers", 2)), float(data.get("timeout_minutes", 30)) * 60, path)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: sets.{name}: needs paths = [...] ({exc})") from None
 
 
 def copy_tests(tree: Path, into: Path, selection: DeepSpeedTests) -> Path | None:
     """Copy ``tree/tests`` to ``into/tests``; None when the source has none of the selected files
     (a release sdist ships no tests)."""
     tests = tree / "tests"
-    if not all((tests / p).exists() for p in selection.paths):
+    if not all((tests / p.split("::", 1)[0]).exists() for p in selection.paths):
         return None
     target = into / "tests"
     shutil.copytree(tests, target, ignore=shutil.ignore_patterns("__pycache__"))
@@ -82,6 +106,7 @@ def run_deepspeed_tests(
     env = {k: v for k, v in test_environment(python, extensions_dir, 0, 0, 1).items() if k not in RANK_VARIABLES}
     env.update(env_extra or {})
     env["DS_UNITTEST_TIMEOUT"] = str(int(selection.timeout_s))  # their per-test hang guard
+    env["LOCAL_SIZE"] = str(DEVICES)  # the CPU accelerator's device count: two-rank tests run
     started = time.monotonic()
     with log.open("w") as out:
         proc = processes.start(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tests_dir)

@@ -32,7 +32,17 @@ from dsmatrix.hosts import native_platform
 from dsmatrix.images import build_image, docker_engine, ensure_emulation, image_for, run_in_image
 from dsmatrix.locations import image_source_tree
 from dsmatrix.patches import PatchSet
-from dsmatrix.pipeline import add_benchmarks, cache_size, check_disk, check_patch, fingerprint, preflight, run_cell, suite_digest
+from dsmatrix.pipeline import (
+    OWN_TESTS,
+    add_benchmarks,
+    cache_size,
+    check_disk,
+    check_patch,
+    fingerprint,
+    preflight,
+    run_cell,
+    suite_digest,
+)
 from dsmatrix.results import Run, cell_result_skeleton, find_finished, import_cells, start_run
 from dsmatrix.verdict import ERROR, FIXED, INTERRUPTED, NOT_FIXED, exit_code
 
@@ -57,6 +67,7 @@ class MatrixOptions:
     base_image: str | None = None
     bench: BenchOptions | None = None
     image_argv: tuple[str, ...] = ()  # selection arguments handed on to an image's own run
+    own_tests: str = OWN_TESTS  # the set of DeepSpeed's own tests git-source cells run ("none": none)
 
 
 @dataclass
@@ -92,7 +103,7 @@ def plan_run(options: MatrixOptions) -> Plan:
     runtime = {a: list(v) for a, v in selection.runtime.items()}
     suite = suite_digest()
     hosts = {cell: host_of(cell, options.in_image) for cell in selection.cells}
-    prints = {cell: fingerprint(cell, runtime, options.patch, suite, hosts[cell]) for cell in selection.cells}
+    prints = {cell: fingerprint(cell, runtime, options.patch, suite, hosts[cell], options.own_tests) for cell in selection.cells}
     final = RESUME[options.resume]
     reusable = {c: r for c in selection.cells if final and (r := find_finished(options.results, prints[c], final)) is not None}
     todo = [c for c in selection.cells if c not in reusable]
@@ -173,8 +184,9 @@ def run_matrix(options: MatrixOptions, plan: Plan, say: Printer, meta: Mapping[s
                     result = _reused(options, plan, cell, run)
                 elif plan.hosts[cell] == "local":
                     print(f"{cell.label}: running ...", flush=True)
+                    reuse = options.resume != "none"
                     result = run_cell(
-                        cell, selection, options.patch, options.cache, run, plan.prints[cell], options.bench, options.resume != "none"
+                        cell, selection, options.patch, options.cache, run, plan.prints[cell], options.bench, reuse, options.own_tests
                     )
                 else:
                     continue  # runs with the other cells of its image, below

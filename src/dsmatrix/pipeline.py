@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,10 +33,11 @@ from dsmatrix.instructions import CALIBRATION_TOLERANCE, run_counts
 from dsmatrix.locations import suite_path
 from dsmatrix.patches import PatchSet, apply_diff
 from dsmatrix.results import Run, cell_result_skeleton
-from dsmatrix.run import ENGINE_TESTS, TestRun, outcome_dict, outcomes_from_junits, run_engine_tests
+from dsmatrix.run import ENGINE_TESTS, TestOutcome, TestRun, outcome_dict, outcomes_from_junits, read_junit, run_engine_tests
 from dsmatrix.verdict import ERROR, cell_verdict, with_deepspeed_tests
 
 BUILDS = ("stock", "patched")
+OWN_TESTS = "core"  # the default set of DeepSpeed's own tests for a git source (tests/deepspeed/selection.toml)
 # setuptools: torch.utils.cpp_extension imports it to JIT-build DeepSpeed's comm op (torch 2.4)
 TEST_REQUIREMENTS = ("pytest", "packaging", "setuptools", "pytest-benchmark")
 GIB = 1024**3
@@ -46,6 +47,15 @@ TORCH_SET_GIB = {"cuda": 7.0, "cpu": 1.0}
 ENVIRONMENT_GIB = 0.1
 PACKAGE = Path(__file__).parent
 BENCH_SCRIPTS = suite_path("bench")
+
+
+def tree_digest(folder: Path) -> str:
+    """sha256 over a folder's files (names and contents)."""
+    sha = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            sha.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return sha.hexdigest()
 
 
 def suite_digest() -> str:
@@ -61,9 +71,14 @@ def suite_digest() -> str:
     return sha.hexdigest()
 
 
-def fingerprint(cell: Cell, runtime: dict[str, list[str]], patch: PatchSet, suite: str, host: str = "local") -> str:
-    """What makes a cell result reusable: versions, platform, host, runtime axes, patch and test-suite hashes."""
-    data = {"cell": cell.values(), "runtime": runtime, "patch": patch.sha256, "suite": suite, "host": host}
+def fingerprint(
+    cell: Cell, runtime: dict[str, list[str]], patch: PatchSet, suite: str, host: str = "local", own_tests: str = OWN_TESTS
+) -> str:
+    """What makes a cell result reusable: versions, platform, host, runtime axes, patch and test-suite
+    hashes, and for a git source which set of DeepSpeed's own tests ran."""
+    data: dict[str, object] = {"cell": cell.values(), "runtime": runtime, "patch": patch.sha256, "suite": suite, "host": host}
+    if cell.source:
+        data["deepspeed_tests"] = own_tests
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
@@ -162,16 +177,31 @@ def stock_tests(
 ) -> tuple[TestRun, str]:
     """The stock build's engine-test run, reused from the cache when the same stock wheel already
     ran the same suite over the same runtime axes (validating several patches runs stock once);
-    returns the run and the id of the run that produced it ("" when run now).
-
-    A concurrent run waits for the stock tests (the entry's lock) instead of repeating them."""
+    returns the run and the id of the run that produced it ("" when run now)."""
     key = {"cell": cell.values(), "runtime": runtime, "wheel": build.info.get("wheel_sha256", ""), "suite": suite_digest()}
-    entry = cache.stock_results(cell.id, key)
-    name = f"{cell.id}-stock"
+
+    def run_now() -> TestRun:
+        return run_engine_tests(build.python, build.extensions, runtime, raw, f"{cell.id}-stock")
+
+    return cached_stock_run(cache.stock_results(cell.id, key), build, cache, raw, reuse, run_now, outcomes_from_junits)
+
+
+def cached_stock_run(
+    entry: Path,
+    build: PreparedBuild,
+    cache: Cache,
+    raw: Path,
+    reuse: bool,
+    run_now: Callable[[], TestRun],
+    outcomes: Callable[[Sequence[Path]], Mapping[str, TestOutcome]],
+) -> tuple[TestRun, str]:
+    """A stock test run kept in the cache ``entry``: run now (``reuse`` false, or none kept), else its
+    files copied into ``raw`` and read back with ``outcomes``. A concurrent run waits for the entry's
+    lock instead of repeating the run."""
     fresh: list[TestRun] = []
 
-    def run_now(staging: Path) -> None:
-        test_run = run_engine_tests(build.python, build.extensions, runtime, raw, name)
+    def keep(staging: Path) -> None:
+        test_run = run_now()
         files = [f.name for f in (*test_run.junits, *test_run.logs)]
         for f in (*test_run.junits, *test_run.logs):
             shutil.copy2(f, staging / f.name)
@@ -180,7 +210,7 @@ def stock_tests(
         fresh.append(test_run)
 
     with cache.using_extensions([build.extensions]):
-        materialise(entry, lambda e: reuse and (e / "run.json").is_file(), run_now)
+        materialise(entry, lambda e: reuse and (e / "run.json").is_file(), keep)
     if fresh:
         return fresh[0], ""
     info = json.loads((entry / "run.json").read_text())
@@ -188,7 +218,7 @@ def stock_tests(
     copied = [Path(shutil.copy2(entry / f, raw / f)) for f in info["files"]]
     junits = tuple(p for p in copied if p.suffix == ".xml")
     logs = tuple(p for p in copied if p.suffix == ".log")
-    return TestRun(outcomes_from_junits(junits), info["duration_s"], junits, logs), info["run_id"]
+    return TestRun(dict(outcomes(junits)), info["duration_s"], junits, logs), info["run_id"]
 
 
 def run_benchmarks(
@@ -269,29 +299,52 @@ class ChangeCoverage:
         return measure(self.data, self.root, self.hunks, self.other)
 
 
+def _own_outcomes(junits: Sequence[Path]) -> dict[str, TestOutcome]:
+    return read_junit(junits[0], full_ids=True)
+
+
 def own_tests(
-    cell: Cell, patch: PatchSet, builds: dict[str, PreparedBuild], cache: Cache, run: Run, change: ChangeCoverage
+    cell: Cell,
+    patch: PatchSet,
+    builds: dict[str, PreparedBuild],
+    cache: Cache,
+    run: Run,
+    change: ChangeCoverage,
+    reuse: bool = True,
+    name: str = OWN_TESTS,
 ) -> dict[str, Any]:
-    """DeepSpeed's own selected tests (from the patched source's ``tests/``) on both builds, compared."""
-    selection = load_selection()
+    """DeepSpeed's own tests of set ``name`` (from the patched source's ``tests/``) on both builds, compared."""
+    selection = load_selection(name)
     with tempfile.TemporaryDirectory(dir=run.root, prefix=f".{cell.id}-tests-") as tmp:
         tree = unpack_sdist(source_archive(cell, cache, "patched"), Path(tmp) / "source")
         if not (cell.source and cell.source.pr):
             apply_diff(patch.diff_for(cell.deepspeed), tree, source_name(cell))
         tests_dir = copy_tests(tree, Path(tmp) / "copy", selection)
         if tests_dir is None:
-            return {"skipped": f"the source has no {', '.join(selection.paths)}", "selection": str(selection.source)}
+            return {"skipped": f"the source has no {', '.join(selection.paths)}", "set": selection.name, "selection": str(selection.source)}
         ran: dict[str, TestRun] = {}
+        reused_from = ""
+        raw = run.root / "raw"
         for build, b in builds.items():
             stage(cell, f"{build} DeepSpeed tests")
-            env = change.env("deepspeed") if build == "patched" else {}
-            with cache.using_extensions([b.extensions]):
-                ran[build] = run_deepspeed_tests(
-                    b.python, b.extensions, tests_dir, selection, run.root / "raw", f"{cell.id}-{build}-deepspeed", env
-                )
+            name = f"{cell.id}-{build}-deepspeed"
+            if build == "stock":
+                wheel = b.info.get("wheel_sha256", "")
+                key = {"wheel": wheel, "tests": tree_digest(tests_dir), "paths": selection.paths, "suite": suite_digest()}
+
+                def run_stock(b: PreparedBuild = b, name: str = name) -> TestRun:
+                    return run_deepspeed_tests(b.python, b.extensions, tests_dir, selection, raw, name)
+
+                entry = cache.stock_results(cell.id, {"deepspeed_tests": key})
+                ran[build], reused_from = cached_stock_run(entry, b, cache, raw, reuse, run_stock, _own_outcomes)
+            else:
+                with cache.using_extensions([b.extensions]):
+                    ran[build] = run_deepspeed_tests(b.python, b.extensions, tests_dir, selection, raw, name, change.env("deepspeed"))
     comparison = compare(ran["stock"].outcomes, ran["patched"].outcomes)
     return {
         **comparison,
+        **({"stock_reused_from": reused_from} if reused_from else {}),
+        "set": selection.name,
         "paths": list(selection.paths),
         "selection": str(selection.source),
         "builds": {
@@ -315,6 +368,7 @@ def run_cell(
     fingerprint: str,
     bench: BenchOptions | None = None,
     reuse_stock: bool = True,
+    own_tests_set: str = OWN_TESTS,
 ) -> dict[str, Any]:
     """Build, install and test one cell; set-up and run failures become an ``error`` verdict.
 
@@ -348,8 +402,8 @@ def run_cell(
                 tests={t: outcome_dict(o) for t, o in sorted(runs[build].outcomes.items())},
             )
         verdict = cell_verdict(runs["stock"].outcomes, runs["patched"].outcomes)
-        if cell.source:
-            result["deepspeed_tests"] = own_tests(cell, patch, builds, cache, run, change)
+        if cell.source and own_tests_set != "none":
+            result["deepspeed_tests"] = own_tests(cell, patch, builds, cache, run, change, reuse_stock, own_tests_set)
             verdict = with_deepspeed_tests(verdict, result["deepspeed_tests"])
         result["change_coverage"] = change.measure()
         tests_s = time.monotonic() - started - setup_s

@@ -44,7 +44,10 @@ class GitCommit:
 
     @property
     def tag(self) -> str:
-        """Filesystem-safe: ``<ref>.<short commit>`` (``refs/pull/1/head`` becomes ``refs_pull_1_head``)."""
+        """Filesystem-safe: ``<ref>.<short commit>`` (``refs/pull/1/head`` becomes ``refs_pull_1_head``);
+        just the short commit when the ref is the commit."""
+        if len(self.ref) >= 7 and self.commit.startswith(self.ref.lower()):
+            return self.short
         return f"{_SAFE.sub('_', self.ref).strip('_') or 'ref'}.{self.short}"
 
     @property

@@ -63,7 +63,7 @@ def test_cell_names_ref_and_commit_and_keeps_the_version(fake_repo: Path, tmp_pa
     head = resolve(f"git:{fake_repo}@fix", cache, "--head")
     pr = make_cell("3.11", "2.13.0+cpu", GitSource(base, head))
     assert pr.id.endswith(f"-pr.master.{base.short}..fix.{head.short}")
-    assert pr.values()["deepspeed_source"] == f"{fake_repo}@{base.commit}..{head.commit}"
+    assert pr.values()["deepspeed_source"] == f"git-{base.commit}..{head.commit}"
 
 
 def test_tarball_is_the_commit_tree_and_the_change_is_the_diff(fake_repo: Path, tmp_path: Path) -> None:

@@ -8,9 +8,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from act_runner import REPO, Act, ActResult
+
+sys.path.insert(0, str(REPO / "tests" / "suite"))
+from deepspeed_repo import git, make_repo  # noqa: E402
 
 TIER = "default"
 
@@ -79,3 +83,24 @@ def test_pr_workflow_job(act: Act, job: str, skipped_jobs: set[str]) -> None:
     if job == "pr-tier":
         uploaded = list((act.artifacts / "pr-qualification").glob("*/qualification.json"))
         assert len(uploaded) == 1 and json.loads(uploaded[0].read_text())["verdict"] == "CORRECT, THROUGHPUT NOT SHOWN"
+
+
+def test_qualify_pr_workflow_on_a_local_pr(act: Act, tmp_path: Path) -> None:
+    """qualify-pr.yml dispatched on a repository made from the master snapshot: base master, head
+    the branch that commits the fix; one amd64 runner and the one-cell smoke tier, for CI time."""
+    repo = make_repo(tmp_path)
+    base, head = git(repo, "rev-parse", "master"), git(repo, "rev-parse", "fix")
+    inputs = {"repository": str(repo), "base": "master", "head": "fix", "tier": "smoke", "runners": '["ubuntu-24.04"]'}
+    result = act.run("qualify-pr.yml", "workflow_dispatch", inputs=inputs)
+    assert result.returncode == 0, f"act exited {result.returncode} ({result.log}):\n{result.tail()}"
+    assert list(result.job_results().values()) == ["succeeded"], result.job_results()
+    (uploaded,) = (act.artifacts / "pr-evidence-ubuntu-24.04").glob("*/qualification.json")
+    report = json.loads(uploaded.read_text())
+    (cell,) = report["cells"]
+    assert cell["verdict"] == "fixed", cell["reasons"]
+    evidence = cell["evidence"]
+    assert evidence["git"]["base"]["commit"] == base and evidence["git"]["head"]["commit"] == head
+    assert evidence["coverage"]["executed_lines"] == evidence["coverage"]["changed_lines"] > 0
+    assert evidence["own_tests"]["patched"]["passed"] > 0 and not evidence["own_tests"]["regressions"]
+    markdown = (uploaded.parent / "qualification.md").read_text()
+    assert "## Evidence without a GPU" in markdown and head in markdown

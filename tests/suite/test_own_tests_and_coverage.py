@@ -1,0 +1,81 @@
+"""DeepSpeed's own tests compared across builds, their verdict, and the changed lines of a diff (pure)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dsmatrix.change_coverage import changed_hunks, summary_line
+from dsmatrix.deepspeed_tests import compare, copy_tests, load_selection, set_names
+from dsmatrix.errors import ConfigError
+from dsmatrix.run import TestOutcome
+from dsmatrix.verdict import FIXED, NOT_FIXED, UNDETECTED, Verdict, with_deepspeed_tests
+
+DIFF = """\
+--- a/deepspeed/runtime/zero/partitioned_param_coordinator.py
++++ b/deepspeed/runtime/zero/partitioned_param_coordinator.py
+@@ -10,2 +10,3 @@ class PartitionedParameterCoordinator:
+     def release(self):
+-        return self.cache[key]
++        # a comment counts only if coverage.py calls it a statement
++        return frozenset(self.cache[key])
+--- a/tests/unit/test_new.py
++++ b/tests/unit/test_new.py
+@@ -0,0 +1,2 @@
++def test_new():
++    pass
+--- a/csrc/op.cpp
++++ b/csrc/op.cpp
+@@ -1 +1 @@
+-int x;
++int y;
+"""
+
+
+def outcomes(**states: str) -> dict[str, TestOutcome]:
+    return {name: TestOutcome(state, message=f"{name} {state}") for name, state in states.items()}
+
+
+def test_a_test_broken_by_the_change_is_named_and_failures_on_both_are_not_blamed() -> None:
+    stock = outcomes(a="passed", b="failed", c="passed", d="failed", e="skipped")
+    patched = outcomes(a="failed", b="failed", c="passed", d="passed", e="skipped")
+    result = compare(stock, patched)
+    assert [r["test"] for r in result["regressions"]] == ["a"]
+    assert [r["test"] for r in result["failing_on_both"]] == ["b"]
+    assert [r["test"] for r in result["fixed"]] == ["d"]
+    assert result["stock"] == {"passed": 2, "failed": 2, "error": 0, "skipped": 1}
+    gone = compare(outcomes(a="passed"), {})
+    assert gone["regressions"] == [{"test": "a", "message": "not run on patched"}]
+
+
+@pytest.mark.parametrize("engine", [FIXED, UNDETECTED])
+def test_a_regression_in_deepspeeds_tests_makes_the_cell_not_fixed(engine: str) -> None:
+    comparison = compare(outcomes(a="passed", b="failed"), outcomes(a="error", b="failed"))
+    verdict = with_deepspeed_tests(Verdict(engine, ("engine summary",)), comparison)
+    assert verdict.verdict == NOT_FIXED
+    assert verdict.reasons[0] == "DeepSpeed's own test passes on stock, fails on patched: a: a error"
+    assert "1 failing on both builds (not the change's doing)" in verdict.reasons[-1]
+    clean = with_deepspeed_tests(Verdict(FIXED, ("engine summary",)), compare(outcomes(a="passed"), outcomes(a="passed")))
+    assert clean == Verdict(FIXED, ("engine summary", "DeepSpeed's own tests: 1 passed, 0 broken by the change"))
+
+
+def test_changed_lines_are_the_added_lines_of_deepspeeds_python_files() -> None:
+    hunks, other = changed_hunks(DIFF)
+    (hunk,) = hunks
+    assert hunk.file == "deepspeed/runtime/zero/partitioned_param_coordinator.py"
+    assert hunk.added == (11, 12) and hunk.header.startswith("@@ -10,2 +10,3 @@")
+    assert other == ["tests/unit/test_new.py", "csrc/op.cpp"]
+    assert summary_line({"executed_lines": 1, "changed_lines": 2, "missing": [{"file": hunk.file, "line": 12}]}) == (
+        "changed lines executed 1/2; never executed: partitioned_param_coordinator.py:12"
+    )
+
+
+def test_the_bundled_sets_and_a_source_without_tests(tmp_path: Path) -> None:
+    assert set_names() == ["core", "full"]
+    core = load_selection("core")
+    assert core.paths and all(p.startswith("unit/") for p in core.paths)
+    with pytest.raises(ConfigError, match="--deepspeed-tests nightly: not a set of .*selection.toml"):
+        load_selection("nightly")
+    (tmp_path / "sdist").mkdir()
+    assert copy_tests(tmp_path / "sdist", tmp_path / "copy", core) is None  # a release sdist has no tests/unit
