@@ -18,7 +18,6 @@ import re
 import sys
 import tarfile
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,17 +133,6 @@ def build_wheel(cell: Cell, cache: Cache, patch: PatchSet | None) -> BuiltWheel:
     )
     info = json.loads((folder / "build.json").read_text())
     return BuiltWheel(build, folder / str(info["wheel"]), info)
-
-
-def ops_digest(wheel: Path) -> str:
-    """sha256 over the op sources a wheel JIT-builds from (``deepspeed/ops/csrc``, ``op_builder``):
-    builds with equal op sources can share one torch-extensions folder."""
-    sha = hashlib.sha256()
-    with zipfile.ZipFile(wheel) as archive:
-        for name in sorted(archive.namelist()):
-            if name.startswith(("deepspeed/ops/csrc/", "deepspeed/ops/op_builder/")) and not name.endswith("/"):
-                sha.update(name.encode() + b"\0" + archive.read(name) + b"\0")
-    return sha.hexdigest()
 
 
 def _wheel_complete(folder: Path) -> bool:

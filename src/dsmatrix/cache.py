@@ -36,6 +36,16 @@ def digest(data: object, length: int = 12) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:length]
 
 
+def extensions_folder(environment: Path) -> Path:
+    """``TORCH_EXTENSIONS_DIR`` of one environment: inside it, so that the ninja files torch writes
+    for DeepSpeed's JIT-built ops (the comm op, the Adam ops) name the environment's headers and
+    sources by the same relative paths in every environment, and ccache (``CCACHE_BASEDIR`` the
+    environment) compiles each op once for all environments with the same torch and op sources.
+    A folder shared by two environments would be rebuilt whenever they alternate (measured: 60 s
+    each time), since the compile commands name each environment's absolute paths."""
+    return environment / "torch-extensions"
+
+
 def lock_for(entry: Path) -> FileLock:
     """The lock of one entry: ``<entry>.lock`` beside it."""
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -103,10 +113,6 @@ class Cache:
         """A cell's environment for one build, keyed by everything it is created from."""
         return self.root / "envs" / cell_id / f"{build_key}-{digest(request)}"
 
-    def extensions(self, cell_id: str, wheel_key: str) -> Path:
-        """``TORCH_EXTENSIONS_DIR`` of one wheel in one cell (DeepSpeed JIT-builds its comm op there)."""
-        return self.root / "torch-extensions" / cell_id / wheel_key
-
     def stock_results(self, cell_id: str, key: object) -> Path:
         return self.root / "stock-results" / cell_id / digest(key, 16)
 
@@ -128,8 +134,10 @@ class Cache:
 
     def open(self) -> list[dict[str, object]]:
         """Start using the cache: write this run's process groups into it, stop the ones runs
-        killed earlier left behind (returned)."""
+        killed earlier left behind (returned). ccache, where installed, keeps its compiler cache
+        here too (``CCACHE_DIR``, unless set already)."""
         self.root.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("CCACHE_DIR", str(self.root / "ccache"))
         stopped = stop_orphans(self.processes)
         track_in(self.processes)
         return stopped

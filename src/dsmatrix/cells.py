@@ -53,6 +53,22 @@ class Cell:
         return f"matrix(py{self.python}, torch{self.torch}, ds{self.deepspeed}{git}{suffix})"
 
     @property
+    def stock_id(self) -> str:
+        """The id of this cell's stock build: for a git source only its base commit counts (patch
+        and PR mode on one base, whatever the ref was called, share the stock build and its results)."""
+        if not self.source:
+            return self.id
+        suffix = "" if self.platform == DEFAULT_PLATFORM else f"-{self.arch}"
+        return f"py{self.python}-torch{self.torch}-ds{self.deepspeed}-git.{self.source.base.short}{suffix}"
+
+    def stock_values(self) -> dict[str, str]:
+        """``values()`` of the stock build alone (its base commit, not the head)."""
+        values = self.values()
+        if self.source:
+            values["deepspeed_source"] = self.source.base.key
+        return values
+
+    @property
     def source_key(self) -> str:
         """What the stock build's source is cached by: the release, or the base commit."""
         return self.source.base.key if self.source else self.deepspeed

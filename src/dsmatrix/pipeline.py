@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from dsmatrix.bench import HEADLINE_RULE, NOT_MEASURED, BenchOptions, cell_throughput, run_leak, run_rounds
-from dsmatrix.builds import build_key, build_wheel, ops_digest, source_archive, source_name, unpack_sdist
-from dsmatrix.cache import Cache, materialise
+from dsmatrix.builds import build_key, build_wheel, source_archive, source_name, unpack_sdist
+from dsmatrix.cache import Cache, extensions_folder, materialise
 from dsmatrix.cells import Cell, Selection
 from dsmatrix.change_coverage import REQUIREMENT as COVERAGE_REQUIREMENT
 from dsmatrix.change_coverage import Hunk, changed_hunks, measure, package_root, rcfile, summary_line
@@ -165,9 +165,9 @@ def prepare_builds(cell: Cell, patch: PatchSet, cache: Cache) -> dict[str, Prepa
         stage(cell, f"{build} environment")
         requirements = [f"torch=={cell.torch}", str(wheel.wheel), *build_requirements(cell, build)]
         request = {"interpreter": str(interpreter), "requirements": requirements}
-        path = cache.environment(cell.id, build_key(build_patch), request)
+        path = cache.environment(cell.stock_id if build == "stock" else cell.id, build_key(build_patch), request)
         env = ensure_environment(path, interpreter, requirements, f"{cell.label} {build}")
-        extensions = cache.extensions(cell.id, f"ops-{ops_digest(wheel.wheel)[:12]}")  # stock and patched share it when their ops agree
+        extensions = extensions_folder(env.path)
         builds[build] = PreparedBuild(env.python, extensions, wheel.wheel.name, wheel.info, env.installed, pip_freeze(env.python))
     return builds
 
@@ -178,12 +178,12 @@ def stock_tests(
     """The stock build's engine-test run, reused from the cache when the same stock wheel already
     ran the same suite over the same runtime axes (validating several patches runs stock once);
     returns the run and the id of the run that produced it ("" when run now)."""
-    key = {"cell": cell.values(), "runtime": runtime, "wheel": build.info.get("wheel_sha256", ""), "suite": suite_digest()}
+    key = {"cell": cell.stock_values(), "runtime": runtime, "wheel": build.info.get("wheel_sha256", ""), "suite": suite_digest()}
 
     def run_now() -> TestRun:
         return run_engine_tests(build.python, build.extensions, runtime, raw, f"{cell.id}-stock")
 
-    return cached_stock_run(cache.stock_results(cell.id, key), build, cache, raw, reuse, run_now, outcomes_from_junits)
+    return cached_stock_run(cache.stock_results(cell.stock_id, key), build, cache, raw, reuse, run_now, outcomes_from_junits)
 
 
 def cached_stock_run(
@@ -335,7 +335,7 @@ def own_tests(
                 def run_stock(b: PreparedBuild = b, name: str = name) -> TestRun:
                     return run_deepspeed_tests(b.python, b.extensions, tests_dir, selection, raw, name)
 
-                entry = cache.stock_results(cell.id, {"deepspeed_tests": key})
+                entry = cache.stock_results(cell.stock_id, {"deepspeed_tests": key})
                 ran[build], reused_from = cached_stock_run(entry, b, cache, raw, reuse, run_stock, _own_outcomes)
             else:
                 with cache.using_extensions([b.extensions]):

@@ -1,7 +1,9 @@
 """Run the engine tests (``tests/engine``) inside one build's environment, read the JUnit.
 
-Each build gets its own ``TORCH_EXTENSIONS_DIR`` (DeepSpeed JIT-builds a CPU comm op there;
-the default cache is keyed only by Python, so sharing it across versions loads wrong builds),
+Each build's environment holds its own ``TORCH_EXTENSIONS_DIR`` (DeepSpeed JIT-builds a CPU
+comm op there; the default cache is keyed only by Python, so sharing it across versions loads
+wrong builds); where Debian's ccache is installed, the compiles go through it, so each op is
+compiled once for every environment with the same torch and op sources;
 ``DS_ACCELERATOR=cpu``, ``LOCAL_SIZE=1`` (0.14/0.15 otherwise call numactl) and a single-rank
 gloo rendezvous on a free loopback port.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import time
@@ -25,6 +28,7 @@ from dsmatrix.errors import RunError
 from dsmatrix.locations import suite_path
 
 ENGINE_TESTS = suite_path("engine")
+CCACHE_MASQUERADE = Path("/usr/lib/ccache")  # Debian's ccache: compiler-named links to ccache
 PYTEST_OK = (0, 1)  # all passed / some failed: both are results
 
 
@@ -99,8 +103,12 @@ def test_environment(python: Path, extensions_dir: Path, port: int, rank: int, w
     """The environment of one rank, as if its venv were activated: the venv's ``bin`` first on
     PATH (torch JIT-builds DeepSpeed's comm op with the ``ninja`` that DeepSpeed installs there)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VIRTUAL_ENV"))}
+    path = [str(python.parent), env.get("PATH", os.defpath)]
+    if CCACHE_MASQUERADE.is_dir() and shutil.which("ccache"):  # torch JIT-builds with `c++`: let ccache answer it
+        path.insert(1, str(CCACHE_MASQUERADE))
+        env.update(CCACHE_BASEDIR=str(python.parent.parent), CCACHE_NOHASHDIR="1")
     env.update(
-        PATH=os.pathsep.join([str(python.parent), env.get("PATH", os.defpath)]),
+        PATH=os.pathsep.join(path),
         VIRTUAL_ENV=str(python.parent.parent),
         DS_ACCELERATOR="cpu",
         LOCAL_SIZE=str(world_size),
