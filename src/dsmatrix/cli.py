@@ -51,7 +51,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--deepspeed-tests",
         default="core",
         metavar="SET",
-        help="git sources: the set of DeepSpeed's own tests to run on both builds (tests/deepspeed/selection.toml: core, full; or none)",
+        help="git sources: which of DeepSpeed's own tests run on both builds (tests/deepspeed/selection.toml: core, quick, full; none)",
     )
     matrix.add_argument("--results", type=Path, default=Path("results"))
     matrix.add_argument("--cache-dir", type=Path, default=default_root())
@@ -363,3 +363,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FatalError as exc:
         print(f"dsmatrix: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:  # e.g. while a git source is fetched, before any run folder exists
+        print(f"dsmatrix: {args.command} interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT

@@ -161,14 +161,20 @@ def with_deepspeed_tests(verdict: Verdict, comparison: Mapping[str, object]) -> 
     ``not-fixed``, naming it; tests failing on both builds are listed, not blamed on the fix."""
     regressions = list(comparison.get("regressions") or [])  # type: ignore[call-overload]
     broke = tuple(f"DeepSpeed's own test passes on stock, fails on patched: {r['test']}: {r['message']}" for r in regressions)
-    counts = comparison.get("patched") or {}
-    summary = f"DeepSpeed's own tests: {counts.get('passed', 0)} passed, {len(regressions)} broken by the change"  # type: ignore[union-attr]
+    counts = {build: comparison.get(build) or {} for build in ("stock", "patched")}
+    ran = "; ".join(f"{build} {_counted(c)}" for build, c in counts.items())  # type: ignore[arg-type]
+    summary = f"DeepSpeed's own tests: {ran}; {len(regressions)} broken by the change"
     both = list(comparison.get("failing_on_both") or [])  # type: ignore[call-overload]
     if both:
         summary += f", {len(both)} failing on both builds (not the change's doing)"
     if broke and verdict.verdict in (FIXED, UNDETECTED):
         return Verdict(NOT_FIXED, broke + (summary,))
     return Verdict(verdict.verdict, verdict.reasons + broke + (summary,))
+
+
+def _counted(counts: Mapping[str, int]) -> str:
+    failed = counts.get("failed", 0) + counts.get("error", 0)
+    return f"{counts.get('passed', 0)} passed, {failed} failed, {counts.get('skipped', 0)} skipped"
 
 
 def exit_code(verdicts: list[str]) -> int:

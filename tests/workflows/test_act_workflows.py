@@ -87,10 +87,12 @@ def test_pr_workflow_job(act: Act, job: str, skipped_jobs: set[str]) -> None:
 
 def test_qualify_pr_workflow_on_a_local_pr(act: Act, tmp_path: Path) -> None:
     """qualify-pr.yml dispatched on a repository made from the master snapshot: base master, head
-    the branch that commits the fix; one amd64 runner and the one-cell smoke tier, for CI time."""
+    the branch that commits the fix; one amd64 runner, the one-cell smoke tier and the quick set of
+    DeepSpeed's own tests, for CI time."""
     repo = make_repo(tmp_path)
     base, head = git(repo, "rev-parse", "master"), git(repo, "rev-parse", "fix")
     inputs = {"repository": str(repo), "base": "master", "head": "fix", "tier": "smoke", "runners": '["ubuntu-24.04"]'}
+    inputs["deepspeed_tests"] = "quick"
     result = act.run("qualify-pr.yml", "workflow_dispatch", inputs=inputs)
     assert result.returncode == 0, f"act exited {result.returncode} ({result.log}):\n{result.tail()}"
     assert list(result.job_results().values()) == ["succeeded"], result.job_results()
