@@ -19,7 +19,7 @@ import subprocess
 import time
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dsmatrix import processes
@@ -74,15 +74,18 @@ def load_selection(name: str, path: Path | None = None) -> DeepSpeedTests:
         raise ConfigError(f"{path}: sets.{name}: needs paths = [...] ({exc})") from None
 
 
-def copy_tests(tree: Path, into: Path, selection: DeepSpeedTests) -> Path | None:
-    """Copy ``tree/tests`` to ``into/tests``; None when the source has none of the selected files
-    (a release sdist ships no tests)."""
+def copy_tests(tree: Path, into: Path, selection: DeepSpeedTests) -> tuple[Path | None, DeepSpeedTests, list[str]]:
+    """Copy ``tree/tests`` to ``into/tests``: the copy (None when the source has none of the selected
+    files, as a release sdist has no tests), the selection narrowed to the paths the source has,
+    and the paths it lacks (an older commit may predate a test file)."""
     tests = tree / "tests"
-    if not all((tests / p.split("::", 1)[0]).exists() for p in selection.paths):
-        return None
+    present = tuple(p for p in selection.paths if (tests / p.split("::", 1)[0]).exists())
+    missing = [p for p in selection.paths if p not in present]
+    if not present:
+        return None, selection, missing
     target = into / "tests"
     shutil.copytree(tests, target, ignore=shutil.ignore_patterns("__pycache__"))
-    return target
+    return target, replace(selection, paths=present), missing
 
 
 def run_deepspeed_tests(

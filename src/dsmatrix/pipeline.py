@@ -319,7 +319,7 @@ def own_tests(
         tree = unpack_sdist(source_archive(cell, cache, "patched"), Path(tmp) / "source")
         if not (cell.source and cell.source.pr):
             apply_diff(patch.diff_for(cell.deepspeed), tree, source_name(cell))
-        tests_dir = copy_tests(tree, Path(tmp) / "copy", selection)
+        tests_dir, selection, missing = copy_tests(tree, Path(tmp) / "copy", selection)
         if tests_dir is None:
             return {"skipped": f"the source has no {', '.join(selection.paths)}", "set": selection.name, "selection": str(selection.source)}
         ran: dict[str, TestRun] = {}
@@ -346,6 +346,7 @@ def own_tests(
         **({"stock_reused_from": reused_from} if reused_from else {}),
         "set": selection.name,
         "paths": list(selection.paths),
+        **({"missing_paths": missing} if missing else {}),
         "selection": str(selection.source),
         "builds": {
             build: {

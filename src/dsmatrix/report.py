@@ -164,7 +164,7 @@ def _observations(result: dict[str, Any]) -> dict[str, Any]:
     return shown
 
 
-OWN_TEST_KEYS = ("stock", "patched", "regressions", "failing_on_both", "fixed", "paths", "skipped")
+OWN_TEST_KEYS = ("stock", "patched", "regressions", "failing_on_both", "fixed", "set", "paths", "missing_paths", "skipped")
 
 
 def _evidence(cell: dict[str, Any]) -> dict[str, Any] | None:

@@ -43,12 +43,20 @@ class GitCommit:
         return f"{PREFIX}{self.location}@{self.ref}"
 
     @property
+    def by_commit(self) -> bool:
+        """Whether the ref is (a prefix of) the commit itself."""
+        return len(self.ref) >= 7 and self.commit.startswith(self.ref.lower())
+
+    @property
     def tag(self) -> str:
         """Filesystem-safe: ``<ref>.<short commit>`` (``refs/pull/1/head`` becomes ``refs_pull_1_head``);
         just the short commit when the ref is the commit."""
-        if len(self.ref) >= 7 and self.commit.startswith(self.ref.lower()):
-            return self.short
-        return f"{_SAFE.sub('_', self.ref).strip('_') or 'ref'}.{self.short}"
+        return self.short if self.by_commit else f"{_SAFE.sub('_', self.ref).strip('_') or 'ref'}.{self.short}"
+
+    @property
+    def named(self) -> str:
+        """For labels: ``master@edaa722126``, or ``edaa722126`` when the ref is the commit."""
+        return self.short if self.by_commit else f"{self.ref}@{self.short}"
 
     @property
     def key(self) -> str:
@@ -79,8 +87,8 @@ class GitSource:
     def describe(self) -> str:
         """For labels: ``git master@edaa722126`` or ``pr master@edaa722126..fix@1a2b3c4d5e``."""
         if self.head:
-            return f"pr {self.base.ref}@{self.base.short}..{self.head.ref}@{self.head.short}"
-        return f"git {self.base.ref}@{self.base.short}"
+            return f"pr {self.base.named}..{self.head.named}"
+        return f"git {self.base.named}"
 
     def commit_for(self, build: str) -> GitCommit:
         """The commit a build comes from: the head for PR mode's patched build, else the base."""

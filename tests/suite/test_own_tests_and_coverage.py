@@ -79,4 +79,10 @@ def test_the_bundled_sets_and_a_source_without_tests(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--deepspeed-tests nightly: not a set of .*selection.toml"):
         load_selection("nightly")
     (tmp_path / "sdist").mkdir()
-    assert copy_tests(tmp_path / "sdist", tmp_path / "copy", core) is None  # a release sdist has no tests/unit
+    assert copy_tests(tmp_path / "sdist", tmp_path / "copy", core)[0] is None  # a release sdist has no tests/unit
+    older = tmp_path / "older" / "tests" / "unit" / "runtime" / "zero"
+    older.mkdir(parents=True)
+    (older / "test_unwrap_model.py").write_text("")
+    copied, narrowed, missing = copy_tests(tmp_path / "older", tmp_path / "copy", core)
+    assert copied == tmp_path / "copy" / "tests" and narrowed.paths == ("unit/runtime/zero/test_unwrap_model.py",)
+    assert len(missing) == len(core.paths) - 1
