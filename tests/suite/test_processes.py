@@ -32,10 +32,11 @@ def _members(pgid: int) -> list[int]:
 def test_a_timeout_stops_the_grandchildren_too() -> None:
     """Like torch's JIT build: the child (sh) runs grandchildren (sleep); a timeout must stop all of them."""
     started = time.monotonic()
+    marker = f"sleep {300 + os.getpid() % 997}.{time.time_ns() % 10**6:06d}"  # no other process on the machine runs this
     with pytest.raises(subprocess.TimeoutExpired):
-        processes.run(["sh", "-c", "sleep 300 & sleep 300 & wait"], timeout=1)
+        processes.run(["sh", "-c", f"{marker} & {marker} & wait"], timeout=1)
     assert time.monotonic() - started < 20
-    assert not [p for p in _members_of_command("sleep 300")], "a grandchild outlived its group"
+    assert not [p for p in _members_of_command(marker)], "a grandchild outlived its group"
 
 
 def _members_of_command(text: str) -> list[int]:
