@@ -36,6 +36,11 @@ def digest(data: object, length: int = 12) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:length]
 
 
+def safe_name(text: str) -> str:
+    """``text`` with every run of characters a file name should not hold replaced by ``_``."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)
+
+
 def extensions_folder(environment: Path) -> Path:
     """``TORCH_EXTENSIONS_DIR`` of one environment: inside it, so that the ninja files torch writes
     for DeepSpeed's JIT-built ops (the comm op, the Adam ops) name the environment's headers and
@@ -94,7 +99,7 @@ class Cache:
 
     def git(self, location: str) -> Path:
         """The bare mirror of one git repository (URL or path)."""
-        name = re.sub(r"[^A-Za-z0-9._-]+", "_", location.rstrip("/").rsplit("/", 1)[-1])[:40]
+        name = safe_name(location.rstrip("/").rsplit("/", 1)[-1])[:40]
         return self.root / "git" / f"{name}-{digest(location)}.git"
 
     def builder(self, python: str, torch: str, request: object) -> Path:

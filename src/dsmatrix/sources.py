@@ -18,11 +18,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsmatrix.cache import Cache, lock_for, materialise
+from dsmatrix.cache import Cache, lock_for, materialise, safe_name
 from dsmatrix.errors import ConfigError, UnknownVersionError
 
 PREFIX = "git:"
-_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 @dataclass(frozen=True, order=True)
@@ -51,7 +50,7 @@ class GitCommit:
     def tag(self) -> str:
         """Filesystem-safe: ``<ref>.<short commit>`` (``refs/pull/1/head`` becomes ``refs_pull_1_head``);
         just the short commit when the ref is the commit."""
-        return self.short if self.by_commit else f"{_SAFE.sub('_', self.ref).strip('_') or 'ref'}.{self.short}"
+        return self.short if self.by_commit else f"{safe_name(self.ref).strip('_') or 'ref'}.{self.short}"
 
     @property
     def named(self) -> str:

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 from conftest import run_cli
+from deepspeed_repo import git
 
 from dsmatrix.cache import Cache
 from dsmatrix.cells import make_cell
 from dsmatrix.errors import ConfigError, UnknownVersionError
 from dsmatrix.sources import GitSource, changed_diff, resolve, source_tarball, split_spec
-
-GIT_ENV = {f"GIT_{who}_{what}": value for who in ("AUTHOR", "COMMITTER") for what, value in (("NAME", "t"), ("EMAIL", "t@example.invalid"))}
-
-
-def git(repo: Path, *args: str) -> str:
-    import os
-
-    proc = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, env={**os.environ, **GIT_ENV}, check=True)
-    return proc.stdout.strip()
 
 
 @pytest.fixture
