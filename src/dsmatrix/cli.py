@@ -21,6 +21,7 @@ from dsmatrix.bench import DEFAULT_MARGIN, DEFAULT_MAX_ROUNDS, DEFAULT_MINUTES, 
 from dsmatrix.cache import Cache, default_root
 from dsmatrix.cells import Cell, Selection, plan_cells
 from dsmatrix.deepspeed_tests import load_selection
+from dsmatrix.disk import LOW_DISK
 from dsmatrix.errors import ConfigError, FatalError, InterpreterNotFound, UnknownVersionError
 from dsmatrix.hosts import native_platform
 from dsmatrix.images import IMAGES, build_image, docker_engine, ensure_emulation, image_for, inside_view
@@ -28,6 +29,7 @@ from dsmatrix.instructions import DEFAULT_MARGIN as DEFAULT_INSTRUCTIONS_MARGIN
 from dsmatrix.locations import default_matrix, default_patch, project_root
 from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, Matrix, load_matrix
 from dsmatrix.matrix_run import INTERRUPTED_EXIT, MatrixOptions, interrupts_raise, plan_run, run_matrix
+from dsmatrix.parallel import SIDE_BY_SIDE
 from dsmatrix.patches import PatchSet, load_patch_set, pr_change
 from dsmatrix.report import load_report, passes, write_report
 from dsmatrix.sources import GitSource, changed_diff, is_git, resolve, split_spec
@@ -63,6 +65,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     matrix.add_argument("--in-image", action="store_true", help="run this platform's cells in its image as well")
     matrix.add_argument("--base-image", help="base image for building missing images (default: debootstrap one here)")
+    matrix.add_argument("--jobs", "-j", type=int, default=1, metavar="N", help="cells run at once on this machine (default: 1)")
+    matrix.add_argument(
+        "--side-by-side",
+        choices=SIDE_BY_SIDE,
+        default="auto",
+        help="a cell's stock and patched builds at the same time (auto: when each gets a core and the memory of its ranks)",
+    )
+    matrix.add_argument(
+        "--low-disk",
+        choices=LOW_DISK,
+        default="auto",
+        help="one new torch set at a time, its uv cache and environments removed after its last cell "
+        "(auto: when the run's estimate exceeds the free disk)",
+    )
     matrix.add_argument("--cell", "--only", dest="only", action="append", metavar="CELL_ID", help="run only these cell ids (a CI job)")
     matrix.add_argument(
         "--bench",
@@ -245,7 +261,16 @@ def matrix_options(args: argparse.Namespace) -> MatrixOptions:
         bench=bench,
         image_argv=tuple(_selection_argv(args, bench)),
         own_tests=args.deepspeed_tests,
+        jobs=_jobs(args.jobs),
+        low_disk=args.low_disk,
+        side_by_side=args.side_by_side,
     )
+
+
+def _jobs(value: int) -> int:
+    if value < 1:
+        raise ConfigError(f"--jobs {value}: must be at least 1")
+    return value
 
 
 def command_matrix(args: argparse.Namespace) -> int:

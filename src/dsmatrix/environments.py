@@ -9,13 +9,15 @@ uv hardlinks them from its cache, so a patched DeepSpeed is always a separately 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,20 @@ from dsmatrix.errors import FatalError, InstallError, InterpreterNotFound, Unkno
 
 UV_ENV = {"UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"}
 MARKER = "dsmatrix-env.json"
+
+
+_uv_cache: contextvars.ContextVar[Path | None] = contextvars.ContextVar("uv_cache", default=None)
+
+
+@contextlib.contextmanager
+def uv_cache_dir(path: Path | None) -> Iterator[None]:
+    """Make uv use ``path`` as its cache in this context (None: uv's default); low-disk mode gives
+    each new torch set its own, removed after the set's last cell."""
+    token = _uv_cache.set(path)
+    try:
+        yield
+    finally:
+        _uv_cache.reset(token)
 
 
 def uv_executable() -> str:
@@ -98,6 +114,8 @@ def run_uv(
 ) -> subprocess.CompletedProcess[str]:
     """Run uv; a failure raises ``error`` carrying what uv said about the problem, on one line."""
     env = {**os.environ, **UV_ENV}
+    if (cache := _uv_cache.get()) is not None:
+        env["UV_CACHE_DIR"] = str(cache)
     try:
         proc = processes.run([uv_executable(), *args], input=stdin, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:

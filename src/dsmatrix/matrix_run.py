@@ -16,27 +16,33 @@ A run killed outright (SIGKILL) leaves its groups to the next run, which stops t
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import shutil
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsmatrix import processes, progress
 from dsmatrix.bench import REGRESSION, BenchOptions
 from dsmatrix.cache import Cache
 from dsmatrix.cells import Cell, Selection
+from dsmatrix.disk import DiskPlan, DiskWatch, TorchSet, grouped, plan_disk, prune_set, set_entries, set_name, torch_set, tree_gib, uv_cache
+from dsmatrix.environments import uv_cache_dir
 from dsmatrix.hosts import native_platform
 from dsmatrix.images import build_image, docker_engine, ensure_emulation, image_for, run_in_image
 from dsmatrix.locations import image_source_tree
+from dsmatrix.parallel import builds_side_by_side
 from dsmatrix.patches import PatchSet
 from dsmatrix.pipeline import (
     OWN_TESTS,
     add_benchmarks,
     cache_size,
-    check_disk,
     check_patch,
     fingerprint,
     preflight,
@@ -68,6 +74,9 @@ class MatrixOptions:
     bench: BenchOptions | None = None
     image_argv: tuple[str, ...] = ()  # selection arguments handed on to an image's own run
     own_tests: str = OWN_TESTS  # the set of DeepSpeed's own tests git-source cells run ("none": none)
+    jobs: int = 1  # cells run at once (--jobs)
+    low_disk: str = "auto"  # one of disk.LOW_DISK
+    side_by_side: str = "auto"  # a cell's two builds at once: one of parallel.SIDE_BY_SIDE
 
 
 @dataclass
@@ -77,8 +86,9 @@ class Plan:
     hosts: dict[Cell, str]
     prints: dict[Cell, str]
     reusable: dict[Cell, dict[str, Any]]
+    disk: DiskPlan | None = None  # this machine's cells
     need_gib: float = 0.0
-    todo: list[Cell] = field(default_factory=list)
+    todo: list[Cell] = field(default_factory=list)  # in the order they run (low-disk: a torch set's cells together)
     orphans_stopped: list[dict[str, Any]] = field(default_factory=list)  # process groups killed runs had left
 
     @property
@@ -109,10 +119,13 @@ def plan_run(options: MatrixOptions) -> Plan:
     todo = [c for c in selection.cells if c not in reusable]
     plan = Plan(hosts, prints, reusable, todo=todo, orphans_stopped=orphans)
     local = Selection(tuple(c for c in todo if hosts[c] == "local"), selection.runtime)
-    plan.need_gib = check_disk(local, options.cache)  # first: the checks below download into the cache
+    plan.disk = plan_disk(local.cells, options.cache, options.low_disk, options.jobs)  # first: the checks below download
+    if plan.disk.low_disk:
+        plan.todo = grouped(todo)
+    plan.need_gib = plan.disk.peak_gib
     for platform in plan.image_platforms:
-        cells = tuple(c for c in todo if c.platform == platform and hosts[c] != "local")
-        plan.need_gib += check_disk(Selection(cells, selection.runtime), options.cache.in_image(image_for(platform).name))
+        cells = [c for c in todo if c.platform == platform and hosts[c] != "local"]
+        plan.need_gib += plan_disk(cells, options.cache.in_image(image_for(platform).name), "off").need_gib
     preflight(local, options.patch, options.cache)
     check_patch(todo, options.patch, options.cache)  # also for cells that run in an image
     if plan.image_platforms:
@@ -163,58 +176,122 @@ Printer = Callable[[Cell, dict[str, Any]], None]
 
 def run_matrix(options: MatrixOptions, plan: Plan, say: Printer, meta: Mapping[str, Any]) -> Outcome:
     """Run the planned cells: reused ones recorded (and benchmarked anew when asked), local ones
-    here, the rest in their platform's image; ``say`` prints each finished cell."""
+    here (``options.jobs`` at a time), the rest in their platform's image; ``say`` prints each
+    finished cell, and the progress reporter where the run is."""
     selection = options.selection
     run = start_run(options.results, dict(meta))
+    disk = plan.disk.describe() if plan.disk else ""
     print(
         f"dsmatrix: run {run.id}: {len(selection.cells)} cell(s) ({len(plan.reusable)} already done), "
         f"{len(selection.excluded)} excluded; patch {options.patch.source.name} ({options.patch.short}); "
-        f"uv cache {cache_size()}, this run may add ~{plan.need_gib:.1f} GiB; results in {run.root}",
+        f"uv cache {cache_size()}, {disk}; results in {run.root}",
         flush=True,
     )
     outcome = Outcome(run, [], interrupted=False)
-    current: list[Cell] = []
-    with interrupts_raise():
+    running: dict[Cell, None] = {}  # cells started and not finished (an interrupt records them)
+    reporter = progress.Reporter(len(selection.cells), options.jobs)
+
+    def announce(cell: Cell, result: dict[str, Any], wall_s: float | None) -> None:
+        outcome.verdicts.append(result["verdict"])
+        say(cell, result)
+        reporter.cell_finished(wall_s)
+
+    def finished(cell: Cell, result: dict[str, Any], wall_s: float | None) -> None:
+        run.add_cell(result)
+        announce(cell, result, wall_s)
+
+    watch = DiskWatch(options.cache.root)
+    with interrupts_raise(), progress.reporting(reporter), watch:
         try:
             for orphan in plan.orphans_stopped:
                 print(f"dsmatrix: stopped a process group left by a killed run: {' '.join(orphan['command'])[:120]}", flush=True)
-            for cell in selection.cells:
-                current[:] = [cell]
-                if cell in plan.reusable:
-                    result = _reused(options, plan, cell, run)
-                elif plan.hosts[cell] == "local":
-                    print(f"{cell.label}: running ...", flush=True)
-                    reuse = options.resume != "none"
-                    result = run_cell(
-                        cell, selection, options.patch, options.cache, run, plan.prints[cell], options.bench, reuse, options.own_tests
-                    )
-                else:
-                    continue  # runs with the other cells of its image, below
-                run.add_cell(result)
-                outcome.verdicts.append(result["verdict"])
-                say(cell, result)
-            current.clear()
+            for cell in (c for c in selection.cells if c in plan.reusable):
+                running[cell] = None
+                finished(cell, _reused(options, plan, cell, run), None)
+                running.pop(cell)
+            _run_local_cells(options, plan, run, running, finished)
             if plan.image_platforms:
                 with _images_ready(plan.image_platforms, options) as client:
                     for platform in plan.image_platforms:
                         cells = [c for c in plan.todo if c.platform == platform and plan.hosts[c] != "local"]
-                        current[:] = cells
-                        outcome.verdicts += _run_image_cells(options, client, platform, cells, plan.prints, run, say)
-                        current.clear()
+                        running.update(dict.fromkeys(cells))
+                        _run_image_cells(options, client, platform, cells, plan.prints, run, announce)
+                        running.clear()
         except KeyboardInterrupt as exc:
             outcome.interrupted = True
             done = {c["cell"]["id"] for c in run.cells}
-            for cell in (c for c in current if c.id not in done):
+            for cell in (c for c in running if c.id not in done):
                 result = cell_result_skeleton(
                     cell, plan.prints[cell], INTERRUPTED, f"interrupted ({exc or 'SIGINT'}) before this cell finished"
                 )
                 run.add_cell(result)
                 outcome.verdicts.append(INTERRUPTED)
+            run.meta["disk"] = _disk_facts(plan, watch)
             run.write_summary("interrupted")
             print(f"dsmatrix: interrupted; {len(done)} finished cell(s) kept in {run.root}", file=sys.stderr, flush=True)
             return outcome
+    run.meta["disk"] = _disk_facts(plan, watch)
+    print(f"dsmatrix: disk: peak {watch.peak_gib:.1f} GiB above the run's start; uv cache now {cache_size()}", flush=True)
     run.write_summary("complete")
     return outcome
+
+
+def _disk_facts(plan: Plan, watch: DiskWatch) -> dict[str, Any]:
+    facts: dict[str, Any] = {**watch.facts(), "low_disk": bool(plan.disk and plan.disk.low_disk)}
+    if plan.disk:
+        facts.update(estimate_gib=plan.disk.need_gib, planned_peak_gib=plan.disk.peak_gib, free_at_start_gib=plan.disk.free_gib)
+    return facts
+
+
+def _run_local_cells(
+    options: MatrixOptions, plan: Plan, run: Run, running: dict[Cell, None], finished: Callable[[Cell, dict[str, Any], float | None], None]
+) -> None:
+    """This machine's cells, ``options.jobs`` at a time, in ``plan.todo``'s order; in low-disk mode
+    a new torch set is pruned after its last cell."""
+    cells = [c for c in plan.todo if plan.hosts[c] == "local"]
+    if not cells:
+        return
+    selection, disk = options.selection, plan.disk
+    largest_world = max(int(w) for w in selection.runtime.get("world_size", ("1",)))
+    together = builds_side_by_side(options.side_by_side, options.jobs, largest_world)
+    how = "side by side" if together else "in turn"
+    print(f"dsmatrix: {len(cells)} cell(s) here, {options.jobs} at a time, each cell's two builds {how}", flush=True)
+    left = Counter(torch_set(c) for c in cells)
+
+    def one(cell: Cell) -> dict[str, Any]:
+        key = torch_set(cell)
+        running[cell] = None
+        with progress.lane(cell.label), uv_cache_dir(uv_cache(options.cache, key) if disk and disk.pruned(key) else None):
+            progress.stage("running")
+            return run_cell(
+                cell, selection, options.patch, options.cache, run, plan.prints[cell], options.bench,
+                options.resume != "none", options.own_tests, together,
+            )  # fmt: skip
+
+    with ThreadPoolExecutor(max(1, options.jobs), thread_name_prefix="dsmatrix-cell") as pool:
+        futures = {pool.submit(contextvars.copy_context().run, one, cell): cell for cell in cells}
+        try:
+            for future in as_completed(futures):
+                cell = futures[future]
+                result = future.result()
+                finished(cell, result, result["timings"].get("total_s"))
+                running.pop(cell, None)
+                key = torch_set(cell)
+                left[key] -= 1
+                if disk and disk.pruned(key) and left[key] == 0:
+                    _prune(options.cache, key, [c for c in cells if torch_set(c) == key])
+        except KeyboardInterrupt:
+            processes.stop_all()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
+def _prune(cache: Cache, key: TorchSet, cells: list[Cell]) -> None:
+    entries = set_entries(cache, key, cells)
+    size = tree_gib(entries)
+    freed = prune_set(cache, key, cells)
+    print(f"dsmatrix: low-disk: {set_name(key)} finished: its uv cache, builder and environments held {size:.1f} GiB; "
+          f"removed ({freed:.1f} GiB freed)", flush=True)  # fmt: skip
 
 
 def _reused(options: MatrixOptions, plan: Plan, cell: Cell, run: Run) -> dict[str, Any]:
@@ -239,8 +316,14 @@ def _images_ready(platforms: list[str], options: MatrixOptions) -> Iterator[Any]
 
 
 def _run_image_cells(
-    options: MatrixOptions, client: Any, platform: str, cells: list[Cell], prints: dict[Cell, str], run: Run, say: Printer
-) -> list[str]:
+    options: MatrixOptions,
+    client: Any,
+    platform: str,
+    cells: list[Cell],
+    prints: dict[Cell, str],
+    run: Run,
+    announce: Callable[[Cell, dict[str, Any], float | None], None],
+) -> None:
     """Run ``cells`` inside ``platform``'s image and import each finished one into ``run``.
 
     A cell that does not come back (the container failed or was stopped) becomes an ``error``
@@ -255,12 +338,10 @@ def _run_image_cells(
     by_id = {c.id: c for c in cells}
     facts = {"image": {"tag": spec.tag, "id": image.id, "platform": platform}}
     code, last = INTERRUPTED_EXIT, "interrupted"
-    verdicts: list[str] = []
 
     def finish(result: dict[str, Any]) -> dict[str, Any]:
         cell = by_id.pop(result["cell"]["id"])
-        say(cell, result)
-        verdicts.append(result["verdict"])  # below: the fingerprint as this host computes it, for reuse
+        announce(cell, result, (result.get("timings") or {}).get("total_s"))  # below: the fingerprint as this host computes it, for reuse
         return {**result, **facts, "fingerprint": prints[cell], "container_wall_s": round(time.monotonic() - started, 1)}
 
     try:
@@ -273,6 +354,4 @@ def _run_image_cells(
         reason = f"{spec.tag}: `nox -s matrix` inside exited {code} before this cell finished: {last}"
         result = {**cell_result_skeleton(cell, prints[cell], ERROR, reason), **facts, "error_kind": "HostError"}
         run.add_cell(result)
-        say(cell, result)
-        verdicts.append(ERROR)
-    return verdicts
+        announce(cell, result, None)

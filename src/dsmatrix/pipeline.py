@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsmatrix import parallel, progress
 from dsmatrix.bench import HEADLINE_RULE, NOT_MEASURED, BenchOptions, cell_throughput, run_leak, run_rounds
 from dsmatrix.builds import build_key, build_wheel, source_archive, source_name, unpack_sdist
 from dsmatrix.cache import Cache, extensions_folder, materialise
@@ -27,24 +28,28 @@ from dsmatrix.change_coverage import Hunk, changed_hunks, measure, package_root,
 from dsmatrix.deepspeed_tests import REQUIREMENTS as DEEPSPEED_TEST_REQUIREMENTS
 from dsmatrix.deepspeed_tests import compare, copy_tests, load_selection, run_deepspeed_tests
 from dsmatrix.environments import check_installable, ensure_environment, find_interpreter, pip_freeze, uv_executable
-from dsmatrix.errors import DiskSpaceError, FatalError
+from dsmatrix.errors import FatalError
 from dsmatrix.hosts import describe
 from dsmatrix.instructions import CALIBRATION_TOLERANCE, run_counts
 from dsmatrix.locations import suite_path
 from dsmatrix.patches import PatchSet, apply_diff
 from dsmatrix.results import Run, cell_result_skeleton
-from dsmatrix.run import ENGINE_TESTS, TestOutcome, TestRun, outcome_dict, outcomes_from_junits, read_junit, run_engine_tests
+from dsmatrix.run import (
+    ENGINE_TESTS,
+    TestOutcome,
+    TestRun,
+    outcome_dict,
+    outcomes_from_junits,
+    read_junit,
+    run_engine_tests,
+    tests_probe,
+)
 from dsmatrix.verdict import ERROR, cell_verdict, with_deepspeed_tests
 
 BUILDS = ("stock", "patched")
 OWN_TESTS = "core"  # the default set of DeepSpeed's own tests for a git source (tests/deepspeed/selection.toml)
 # setuptools: torch.utils.cpp_extension imports it to JIT-build DeepSpeed's comm op (torch 2.4)
 TEST_REQUIREMENTS = ("pytest", "packaging", "setuptools", "pytest-benchmark")
-GIB = 1024**3
-# uv cache cost of one new (Python, torch) set, measured here: PyPI's x86_64 torch wheels are
-# CUDA builds (~6.7 GB unpacked with their nvidia-* dependencies); CPU builds ~1 GB.
-TORCH_SET_GIB = {"cuda": 7.0, "cpu": 1.0}
-ENVIRONMENT_GIB = 0.1
 PACKAGE = Path(__file__).parent
 BENCH_SCRIPTS = suite_path("bench")
 
@@ -88,21 +93,6 @@ def cache_size() -> str:
     return proc.stdout.strip() or "unknown"
 
 
-def check_disk(selection: Selection, cache: Cache) -> float:
-    """Refuse a run that would not fit the free disk; returns the estimate in GiB."""
-    new_sets = {(c.python, c.torch, c.platform) for c in selection.cells if not cache.has_builder(c.python, c.torch)}
-    cpu = {(p, t, plat) for p, t, plat in new_sets if "+cpu" in t or plat == "linux/arm64"}  # arm64: CUDA builds are ruled out
-    need = TORCH_SET_GIB["cpu"] * len(cpu) + TORCH_SET_GIB["cuda"] * len(new_sets - cpu)
-    need += ENVIRONMENT_GIB * 2 * len(selection.cells)
-    cache.root.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(cache.root).free / GIB
-    if need > free:
-        raise DiskSpaceError(
-            f"{cache.root}: the selected cells need about {need:.1f} GiB ({len(new_sets)} new torch set(s)), only {free:.1f} GiB free"
-        )
-    return need
-
-
 def preflight(selection: Selection, patch: PatchSet, cache: Cache) -> None:
     """Check every input the run depends on; raises a one-line FatalError on the first problem."""
     for python in sorted({c.python for c in selection.cells}):
@@ -137,11 +127,6 @@ class PreparedBuild:
         return {"wheel": self.wheel, "build_info": self.info, "installed": self.installed, "freeze": self.freeze}
 
 
-def stage(cell: Cell, what: str) -> None:
-    """One progress line: the cell and the stage it enters (a CI log and a terminal read it alike)."""
-    print(f"{cell.label}: {what} ...", flush=True)
-
-
 def build_requirements(cell: Cell, build: str) -> list[str]:
     """What a build's environment holds besides torch and the wheel: the engine tests' needs,
     coverage.py in the patched build (changed-line coverage), and for a git source DeepSpeed's
@@ -154,22 +139,29 @@ def build_requirements(cell: Cell, build: str) -> list[str]:
     return requirements
 
 
-def prepare_builds(cell: Cell, patch: PatchSet, cache: Cache) -> dict[str, PreparedBuild]:
-    """Stock and patched wheels built and installed, each in its own environment (all cached)."""
-    builds = {}
+def build_lane(cell: Cell) -> Callable[[str], str]:
+    """The progress lane of one build of ``cell`` while both run side by side."""
+    return lambda build: f"{cell.label} [{build}]"
+
+
+def prepare_builds(cell: Cell, patch: PatchSet, cache: Cache, together: bool = False) -> dict[str, PreparedBuild]:
+    """Stock and patched wheels built and installed, each in its own environment (all cached);
+    ``together``: both builds at once."""
     interpreter = find_interpreter(cell.python)
-    for build in BUILDS:
+
+    def prepare(build: str) -> PreparedBuild:
         build_patch = patch if build == "patched" else None
-        stage(cell, f"{build} wheel")
+        progress.stage(f"{build} wheel")
         wheel = build_wheel(cell, cache, build_patch)
-        stage(cell, f"{build} environment")
+        progress.stage(f"{build} environment")
         requirements = [f"torch=={cell.torch}", str(wheel.wheel), *build_requirements(cell, build)]
         request = {"interpreter": str(interpreter), "requirements": requirements}
         path = cache.environment(cell.stock_id if build == "stock" else cell.id, build_key(build_patch), request)
         env = ensure_environment(path, interpreter, requirements, f"{cell.label} {build}")
         extensions = extensions_folder(env.path)
-        builds[build] = PreparedBuild(env.python, extensions, wheel.wheel.name, wheel.info, env.installed, pip_freeze(env.python))
-    return builds
+        return PreparedBuild(env.python, extensions, wheel.wheel.name, wheel.info, env.installed, pip_freeze(env.python))
+
+    return parallel.each(BUILDS, prepare, together, build_lane(cell))
 
 
 def stock_tests(
@@ -267,10 +259,13 @@ def _run_benchmarks(
 def add_benchmarks(result: dict[str, Any], cell: Cell, selection: Selection, patch: PatchSet, cache: Cache, run: Run, bench: BenchOptions):
     """Benchmarks for a cell whose correctness result is reused (its builds are cached)."""
     try:
-        builds = prepare_builds(cell, patch, cache)
+        with parallel.GATE.shared():
+            builds = prepare_builds(cell, patch, cache)
     except FatalError as exc:
         return {**result, "benchmarks": {"verdict": "error", "reason": str(exc)}}
-    return {**result, "benchmarks": run_benchmarks(builds, selection.runtime, run, cell, bench, describe()["emulated"], cache)}
+    with parallel.GATE.exclusive():
+        progress.stage("benchmarks")
+        return {**result, "benchmarks": run_benchmarks(builds, selection.runtime, run, cell, bench, describe()["emulated"], cache)}
 
 
 @dataclass
@@ -326,7 +321,7 @@ def own_tests(
         reused_from = ""
         raw = run.root / "raw"
         for build, b in builds.items():
-            stage(cell, f"{build} DeepSpeed tests")
+            progress.stage(f"{build} DeepSpeed tests", tests_probe(raw, f"{cell.id}-{build}-deepspeed", b.extensions))
             name = f"{cell.id}-{build}-deepspeed"
             if build == "stock":
                 wheel = b.info.get("wheel_sha256", "")
@@ -370,48 +365,59 @@ def run_cell(
     bench: BenchOptions | None = None,
     reuse_stock: bool = True,
     own_tests_set: str = OWN_TESTS,
+    together: bool = False,
 ) -> dict[str, Any]:
     """Build, install and test one cell; set-up and run failures become an ``error`` verdict.
 
     The stock build's test results are reused from the cache when nothing they depend on changed
-    (``reuse_stock``; ``--fresh`` turns it off)."""
+    (``reuse_stock``; ``--fresh`` turns it off). ``together``: the two builds are prepared and
+    tested at the same time. Benchmarks run alone (``parallel.GATE``)."""
     started = time.monotonic()
     result = cell_result_skeleton(cell, fingerprint, ERROR, "did not finish")
     result.update(runtime={axis: list(v) for axis, v in selection.runtime.items()}, patch=patch.describe(), host=describe())
+    result["concurrency"] = {"builds_side_by_side": together}
     setup_s = tests_s = 0.0
     try:
-        builds = prepare_builds(cell, patch, cache)
-        result["builds"] = {build: b.facts() for build, b in builds.items()}
-        setup_s = time.monotonic() - started
-        change = ChangeCoverage.prepare(cell, patch, builds["patched"], run.root)
-        runs = {}
-        for build, b in builds.items():
-            stage(cell, f"{build} engine tests")
-            if build == "stock":
-                runs[build], reused_from = stock_tests(cell, b, selection.runtime, cache, run.root / "raw", reuse_stock)
+        with parallel.GATE.shared():
+            builds = prepare_builds(cell, patch, cache, together)
+            result["builds"] = {build: b.facts() for build, b in builds.items()}
+            setup_s = time.monotonic() - started
+            change = ChangeCoverage.prepare(cell, patch, builds["patched"], run.root)
+
+            def engine_tests(build: str) -> tuple[TestRun, str]:
+                b = builds[build]
+                name = f"{cell.id}-{build}"
+                progress.stage(f"{build} engine tests", tests_probe(run.root / "raw", name, b.extensions))
+                if build == "stock":  # a cached result when nothing it depends on changed
+                    return stock_tests(cell, b, selection.runtime, cache, run.root / "raw", reuse_stock)
+                with cache.using_extensions([b.extensions]):
+                    ran = run_engine_tests(
+                        b.python, b.extensions, selection.runtime, run.root / "raw", name, env_extra=change.env("engine")
+                    )
+                return ran, ""
+
+            tested = parallel.each(BUILDS, engine_tests, together, build_lane(cell))
+            runs = {build: ran for build, (ran, _) in tested.items()}
+            for build, (ran, reused_from) in tested.items():
                 if reused_from:
                     result["builds"][build]["tests_reused_from"] = reused_from
-            else:
-                with cache.using_extensions([b.extensions]):
-                    runs[build] = run_engine_tests(
-                        b.python, b.extensions, selection.runtime, run.root / "raw", f"{cell.id}-{build}", env_extra=change.env("engine")
-                    )
-            result["builds"][build].update(
-                junit=[str(path.relative_to(run.root)) for path in runs[build].junits],
-                logs=[str(path.relative_to(run.root)) for path in runs[build].logs],
-                tests_s=round(runs[build].duration_s, 1),
-                tests={t: outcome_dict(o) for t, o in sorted(runs[build].outcomes.items())},
-            )
-        verdict = cell_verdict(runs["stock"].outcomes, runs["patched"].outcomes)
-        if cell.source and own_tests_set != "none":
-            result["deepspeed_tests"] = own_tests(cell, patch, builds, cache, run, change, reuse_stock, own_tests_set)
-            verdict = with_deepspeed_tests(verdict, result["deepspeed_tests"])
-        result["change_coverage"] = change.measure()
-        tests_s = time.monotonic() - started - setup_s
-        result.update(verdict=verdict.verdict, reasons=[*verdict.reasons, summary_line(result["change_coverage"])])
+                result["builds"][build].update(
+                    junit=[str(path.relative_to(run.root)) for path in ran.junits],
+                    logs=[str(path.relative_to(run.root)) for path in ran.logs],
+                    tests_s=round(ran.duration_s, 1),
+                    tests={t: outcome_dict(o) for t, o in sorted(ran.outcomes.items())},
+                )
+            verdict = cell_verdict(runs["stock"].outcomes, runs["patched"].outcomes)
+            if cell.source and own_tests_set != "none":
+                result["deepspeed_tests"] = own_tests(cell, patch, builds, cache, run, change, reuse_stock, own_tests_set)
+                verdict = with_deepspeed_tests(verdict, result["deepspeed_tests"])
+            result["change_coverage"] = change.measure()
+            tests_s = time.monotonic() - started - setup_s
+            result.update(verdict=verdict.verdict, reasons=[*verdict.reasons, summary_line(result["change_coverage"])])
         if bench is not None:
-            stage(cell, "benchmarks")
-            result["benchmarks"] = run_benchmarks(builds, selection.runtime, run, cell, bench, result["host"]["emulated"], cache)
+            with parallel.GATE.exclusive():
+                progress.stage("benchmarks (alone)")
+                result["benchmarks"] = run_benchmarks(builds, selection.runtime, run, cell, bench, result["host"]["emulated"], cache)
             tests_s = time.monotonic() - started - setup_s - result["benchmarks"].get("duration_s", 0.0)
     except FatalError as exc:  # CellError, or e.g. an interpreter that vanished since the preflight
         result.update(verdict=ERROR, reasons=[str(exc)], error_kind=type(exc).__name__)

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -85,21 +86,47 @@ def _group_alive(pgid: int) -> bool:
 
 
 _entries: dict[int, Path] = {}
+_live: dict[int, subprocess.Popen[Any]] = {}
+_stopping = threading.Event()
+
+
+class Stopping(RuntimeError):
+    """The run is being stopped (an interrupt): no new child starts."""
 
 
 def start(command: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
     """``Popen(command)`` in a new process group, written down; end it with ``stop``."""
+    if _stopping.is_set():
+        raise Stopping(f"not started, the run is stopping: {' '.join(command)[:120]}")
     proc = subprocess.Popen(list(command), start_new_session=True, **popen)
+    _live[proc.pid] = proc
     entry = _record(proc, command)
     if entry is not None:
         _entries[proc.pid] = entry
     return proc
 
 
+def stop_all() -> None:
+    """Stop every group this process started and refuse new ones: what an interrupt does while
+    other threads (a cell's two builds, ``--jobs``) wait on children of their own."""
+    _stopping.set()
+    for proc in list(_live.values()):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in list(_live.values()):
+        stop_group(proc)
+
+
+def resume_starting() -> None:
+    """Allow children again (after an interrupted run, in the same process: the suite's tests)."""
+    _stopping.clear()
+
+
 def stop(proc: subprocess.Popen[Any]) -> None:
     """Stop whatever is left of the child's group (nothing, when it exited with its children) and reap it."""
     if proc.poll() is None or _group_alive(proc.pid):
         stop_group(proc)
+    _live.pop(proc.pid, None)
     entry = _entries.pop(proc.pid, None)
     if entry is not None:
         entry.unlink(missing_ok=True)

@@ -13,6 +13,7 @@ import os
 import secrets
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ class Run:
     root: Path
     meta: dict[str, Any]
     cells: list[dict[str, Any]] = field(default_factory=list)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)  # cells finish in several threads
 
     @property
     def id(self) -> str:
@@ -90,12 +92,17 @@ class Run:
     def add_cell(self, result: dict[str, Any]) -> Path:
         result = {**result, "run_id": self.id}
         path = self.root / "cells" / f"{result['cell']['id']}.json"
-        write_json(path, result)
-        self.cells.append(result)
-        self.write_summary("running")
+        with self._lock:
+            write_json(path, result)
+            self.cells.append(result)
+            self.write_summary("running")
         return path
 
     def write_summary(self, status: str) -> None:
+        with self._lock:
+            self._write_summary(status)
+
+    def _write_summary(self, status: str) -> None:
         write_json(
             self.root / "summary.json",
             {

@@ -10,14 +10,16 @@ gloo rendezvous on a free loopback port.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -194,6 +196,28 @@ def _run_ranks(
             tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
             raise RunError(f"engine tests (world size {world_size}, rank {rank}) exited {proc.returncode}: {tail[0][:300]} (log: {log})")
     return [(junit, log) for _, junit, log in procs]
+
+
+PROGRESS_LINE = re.compile(r"^([.FEsxX]+)\s*(\[\s*\d+%\])?$")  # pytest -q: one character a finished test
+
+
+def tests_probe(out_dir: Path, name: str, extensions_dir: Path) -> Callable[[], str]:
+    """What a running test stage can say: the op torch is JIT-building (its ``lock`` in the
+    extensions folder), or how many tests the newest rank-0 log shows finished (and failed)."""
+
+    def probe() -> str:
+        building = sorted(lock.parent.name for lock in extensions_dir.glob("*/lock"))
+        if building:
+            return f"JIT build of {', '.join(building)}"
+        logs = sorted(out_dir.glob(f"{glob.escape(name)}-ws*-rank0.log"), key=lambda p: p.stat().st_mtime)
+        if not logs:
+            return ""
+        marks = "".join(m.group(1) for line in logs[-1].read_text(errors="replace").splitlines() if (m := PROGRESS_LINE.match(line)))
+        world = logs[-1].name.rsplit("-ws", 1)[-1].split("-", 1)[0]
+        failed = sum(marks.count(c) for c in "FE")
+        return f"world size {world}: {len(marks)} test(s) done" + (f", {failed} failed" if failed else "")
+
+    return probe
 
 
 def outcomes_from_junits(junits: Sequence[Path]) -> dict[str, TestOutcome]:

@@ -10,7 +10,8 @@ from dsmatrix.cache import Cache
 from dsmatrix.cells import Cell, Selection
 from dsmatrix.errors import DiskSpaceError
 from dsmatrix.patches import load_patch_set
-from dsmatrix.pipeline import GIB, check_disk, fingerprint, suite_digest
+from dsmatrix.disk import GIB, grouped, plan_disk, prune_set, set_entries, torch_set, tree_gib, uv_cache
+from dsmatrix.pipeline import fingerprint, suite_digest
 from dsmatrix.run import remove_shm_buffers
 
 Usage = namedtuple("Usage", "total used free")
@@ -19,11 +20,61 @@ RUNTIME = {"dtype": ("fp32",), "checkpointing": ("off",), "world_size": ("1",)}
 
 def test_disk_check_refuses_a_run_that_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(100 * GIB, 98 * GIB, 2 * GIB))
-    cuda = Selection((Cell("3.12", "2.9.1", "0.19.8"),), RUNTIME)
+    cuda = [Cell("3.12", "2.9.1", "0.19.8")]
     with pytest.raises(DiskSpaceError, match=r"need about 7\.2 GiB \(1 new torch set\(s\)\), only 2\.0 GiB free"):
-        check_disk(cuda, Cache(tmp_path))
+        plan_disk(cuda, Cache(tmp_path), "off")
+    with pytest.raises(DiskSpaceError, match=r"even one torch set at a time \(low-disk mode, --jobs 1\) needs about 7\.2 GiB"):
+        plan_disk(cuda, Cache(tmp_path), "auto")
     (tmp_path / "builders" / "py3.12-torch2.9.1-abc" / "bin" / "python").mkdir(parents=True)  # that torch set is cached already
-    assert check_disk(cuda, Cache(tmp_path)) == pytest.approx(0.2)
+    assert plan_disk(cuda, Cache(tmp_path), "off").need_gib == pytest.approx(0.2)
+
+
+NIGHTLY_LIKE = [
+    Cell("3.10", "2.4.1", "0.14.5"),
+    Cell("3.12", "2.9.1", "0.16.9"),
+    Cell("3.10", "2.4.1", "0.19.8"),
+    Cell("3.11", "2.13.0+cpu", "0.19.8"),
+    Cell("3.12", "2.9.1", "0.19.2"),
+]
+
+
+def test_low_disk_mode_needs_the_largest_set_not_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(100 * GIB, 90 * GIB, 10 * GIB))
+    plan = plan_disk(NIGHTLY_LIKE, Cache(tmp_path))  # auto: 15 GiB needed, 10 free
+    assert plan.low_disk and plan.need_gib == pytest.approx(16.0) and plan.peak_gib == pytest.approx(7.4)
+    assert "low-disk mode (~16.0 GiB needed, 10.0 GiB free)" in plan.describe()
+    with pytest.raises(DiskSpaceError, match="--jobs 2"):  # two sets at once do not fit
+        plan_disk(NIGHTLY_LIKE, Cache(tmp_path), "auto", jobs=2)
+    assert not plan_disk(NIGHTLY_LIKE[3:4], Cache(tmp_path)).low_disk  # fits: no low-disk mode
+    assert plan_disk(NIGHTLY_LIKE[3:4], Cache(tmp_path), "on").low_disk
+    # a set's cells run together, sets in the order they first appear
+    assert [c.id for c in grouped(NIGHTLY_LIKE)] == [NIGHTLY_LIKE[i].id for i in (0, 2, 1, 4, 3)]
+
+
+def test_low_disk_mode_prunes_only_new_sets_and_everything_that_links_into_them(tmp_path: Path) -> None:
+    cache = Cache(tmp_path)
+    (tmp_path / "builders" / "py3.11-torch2.13.0+cpu-abc" / "bin" / "python").mkdir(parents=True)  # cached before the run
+    plan = plan_disk(NIGHTLY_LIKE, cache, "on")
+    key = torch_set(NIGHTLY_LIKE[0])
+    assert plan.pruned(key) and not plan.pruned(torch_set(NIGHTLY_LIKE[3]))
+    cells = [c for c in NIGHTLY_LIKE if torch_set(c) == key]
+    blob = uv_cache(cache, key) / "archive" / "torch.so"
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"x" * 1_000_000)
+    for cell in cells:  # environments hardlink the uv cache's files
+        env = tmp_path / "envs" / cell.id / "stock-abc" / "lib"
+        env.mkdir(parents=True)
+        (env / "torch.so").hardlink_to(blob)
+    builder = tmp_path / "builders" / "py3.10-torch2.4.1-def"
+    builder.mkdir(parents=True)
+    kept = tmp_path / "wheels" / "deepspeed-0.14.5" / "py3.10-torch2.4.1" / "stock"
+    kept.mkdir(parents=True)
+    entries = set_entries(cache, key, cells)
+    assert set(entries) == {uv_cache(cache, key), builder, *(tmp_path / "envs" / c.id for c in cells)}
+    assert tree_gib(entries) == pytest.approx(1_000_000 / GIB, rel=0.05)  # one inode, counted once
+    prune_set(cache, key, cells)
+    assert not any(e.exists() for e in entries) and kept.is_dir()
+    assert (tmp_path / "builders" / "py3.11-torch2.13.0+cpu-abc").is_dir()
 
 
 def test_fingerprint_follows_versions_runtime_patch_and_suite(repo: Path) -> None:
