@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsmatrix import processes
+from dsmatrix import processes, progress
 from dsmatrix.cache import Cache, materialise
 from dsmatrix.cells import Cell
 from dsmatrix.environments import Environment, ensure_environment, find_interpreter
@@ -44,6 +44,7 @@ def fetch_sdist(deepspeed: str, cache: Cache) -> Path:
     """The DeepSpeed sdist for ``deepspeed``, downloaded once into the cache."""
 
     def download(staging: Path) -> None:
+        progress.stage(f"downloading the DeepSpeed {deepspeed} sdist")
         proc = processes.run(
             [
                 sys.executable,
@@ -118,6 +119,8 @@ def builder_environment(cell: Cell, cache: Cache) -> Environment:
     interpreter = find_interpreter(cell.python)
     requirements = [f"torch=={cell.torch}", *BUILD_REQUIREMENTS]
     path = cache.builder(cell.python, cell.torch, {"interpreter": str(interpreter), "requirements": requirements})
+    if not (path / "bin" / "python").exists():
+        progress.stage(f"builder environment (torch {cell.torch}; another build may be creating it)")
     return ensure_environment(path, interpreter, requirements, f"{cell.label} builder")
 
 
@@ -163,6 +166,7 @@ def _build_wheel(cell: Cell, cache: Cache, build: str, patch: PatchSet | None, o
             info.update(patch_sha256=patch.sha256, patch_source=str(patch.source), diff=diff.name)
         if label:
             env["DS_BUILD_STRING"] = label
+        progress.stage(f"building the {build} wheel")
         proc = processes.run(
             [str(builder.python), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--quiet", str(tree), "-w", str(out)],
             capture_output=True,

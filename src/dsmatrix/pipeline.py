@@ -40,9 +40,9 @@ from dsmatrix.run import (
     TestRun,
     outcome_dict,
     outcomes_from_junits,
+    probe_of_tests,
     read_junit,
     run_engine_tests,
-    tests_probe,
 )
 from dsmatrix.verdict import ERROR, cell_verdict, with_deepspeed_tests
 
@@ -98,6 +98,7 @@ def preflight(selection: Selection, patch: PatchSet, cache: Cache) -> None:
     for python in sorted({c.python for c in selection.cells}):
         find_interpreter(python)
     for python, torch in sorted({(c.python, c.torch) for c in selection.cells}):
+        progress.stage(f"checking the inputs: torch {torch} for Python {python}")
         check_installable(f"torch=={torch}", python)
     check_patch(selection.cells, patch, cache)
 
@@ -107,6 +108,7 @@ def check_patch(cells: Sequence[Cell], patch: PatchSet, cache: Cache) -> None:
     (any platform). PR mode applies nothing: the head commit carries the change."""
     sources = {c.source_key: c for c in cells if not (c.source and c.source.pr)}
     for _, cell in sorted(sources.items()):
+        progress.stage(f"checking the inputs: the fix applies to DeepSpeed {source_name(cell)}")
         diff = patch.diff_for(cell.deepspeed)
         with tempfile.TemporaryDirectory() as tmp:
             apply_diff(diff, unpack_sdist(source_archive(cell, cache), Path(tmp)), source_name(cell))
@@ -321,7 +323,7 @@ def own_tests(
         reused_from = ""
         raw = run.root / "raw"
         for build, b in builds.items():
-            progress.stage(f"{build} DeepSpeed tests", tests_probe(raw, f"{cell.id}-{build}-deepspeed", b.extensions))
+            progress.stage(f"{build} DeepSpeed tests", probe_of_tests(raw, f"{cell.id}-{build}-deepspeed", b.extensions))
             name = f"{cell.id}-{build}-deepspeed"
             if build == "stock":
                 wheel = b.info.get("wheel_sha256", "")
@@ -387,7 +389,7 @@ def run_cell(
             def engine_tests(build: str) -> tuple[TestRun, str]:
                 b = builds[build]
                 name = f"{cell.id}-{build}"
-                progress.stage(f"{build} engine tests", tests_probe(run.root / "raw", name, b.extensions))
+                progress.stage(f"{build} engine tests", probe_of_tests(run.root / "raw", name, b.extensions))
                 if build == "stock":  # a cached result when nothing it depends on changed
                     return stock_tests(cell, b, selection.runtime, cache, run.root / "raw", reuse_stock)
                 with cache.using_extensions([b.extensions]):

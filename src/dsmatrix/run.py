@@ -201,7 +201,7 @@ def _run_ranks(
 PROGRESS_LINE = re.compile(r"^([.FEsxX]+)\s*(\[\s*\d+%\])?$")  # pytest -q: one character a finished test
 
 
-def tests_probe(out_dir: Path, name: str, extensions_dir: Path) -> Callable[[], str]:
+def probe_of_tests(out_dir: Path, name: str, extensions_dir: Path) -> Callable[[], str]:
     """What a running test stage can say: the op torch is JIT-building (its ``lock`` in the
     extensions folder), or how many tests the newest rank-0 log shows finished (and failed)."""
 

@@ -156,7 +156,8 @@ def test_no_disk(tmp_path: Path) -> None:
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
     try:
         check_one_line_error(tmp_path, "--cache-dir", str(small), expect=f"{small}: even one torch set at a time", code=8)
-        check_one_line_error(tmp_path, "--cache-dir", str(small), "--low-disk", "off", expect=f"{small}: the selected cells need about", code=8)
+        off = ("--cache-dir", str(small), "--low-disk", "off")
+        check_one_line_error(tmp_path, *off, expect=f"{small}: the selected cells need about", code=8)
         assert not (small / "sdists").exists()
     finally:
         subprocess.run(["umount", str(small)], check=True)

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from dsmatrix.cache import Cache
-from dsmatrix.cells import Cell, Selection
+from dsmatrix.cells import Cell
+from dsmatrix.disk import GIB, grouped, plan_disk, prune_set, set_entries, torch_set, tree_gib, uv_cache
 from dsmatrix.errors import DiskSpaceError
 from dsmatrix.patches import load_patch_set
-from dsmatrix.disk import GIB, grouped, plan_disk, prune_set, set_entries, torch_set, tree_gib, uv_cache
 from dsmatrix.pipeline import fingerprint, suite_digest
 from dsmatrix.run import remove_shm_buffers
 
