@@ -65,7 +65,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     matrix.add_argument("--in-image", action="store_true", help="run this platform's cells in its image as well")
     matrix.add_argument("--base-image", help="base image for building missing images (default: debootstrap one here)")
-    matrix.add_argument("--jobs", "-j", type=int, default=1, metavar="N", help="cells run at once on this machine (default: 1)")
+    matrix.add_argument(
+        "--jobs",
+        "-j",
+        default="auto",
+        metavar="N",
+        help="cells run at once here (default auto: a cell per core, memory allowing)",
+    )
     matrix.add_argument(
         "--side-by-side",
         choices=SIDE_BY_SIDE,
@@ -267,10 +273,13 @@ def matrix_options(args: argparse.Namespace) -> MatrixOptions:
     )
 
 
-def _jobs(value: int) -> int:
-    if value < 1:
-        raise ConfigError(f"--jobs {value}: must be at least 1")
-    return value
+def _jobs(value: str) -> int | None:
+    """``--jobs``: a positive number, or None for ``auto`` (decided when the run is planned)."""
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"--jobs {value}: must be a whole number of at least 1, or auto")
+    return int(value)
 
 
 def command_matrix(args: argparse.Namespace) -> int:

@@ -34,10 +34,11 @@ from dsmatrix.cache import Cache
 from dsmatrix.cells import Cell, Selection
 from dsmatrix.disk import DiskPlan, DiskWatch, TorchSet, grouped, plan_disk, prune_set, set_entries, set_name, torch_set, tree_gib, uv_cache
 from dsmatrix.environments import uv_cache_dir
+from dsmatrix.errors import DiskSpaceError
 from dsmatrix.hosts import native_platform
 from dsmatrix.images import build_image, docker_engine, ensure_emulation, image_for, run_in_image
 from dsmatrix.locations import image_source_tree
-from dsmatrix.parallel import builds_side_by_side
+from dsmatrix.parallel import auto_jobs, builds_side_by_side
 from dsmatrix.patches import PatchSet
 from dsmatrix.pipeline import (
     OWN_TESTS,
@@ -74,7 +75,7 @@ class MatrixOptions:
     bench: BenchOptions | None = None
     image_argv: tuple[str, ...] = ()  # selection arguments handed on to an image's own run
     own_tests: str = OWN_TESTS  # the set of DeepSpeed's own tests git-source cells run ("none": none)
-    jobs: int = 1  # cells run at once (--jobs)
+    jobs: int | None = 1  # cells run at once (--jobs; None: auto, decided by plan_run)
     low_disk: str = "auto"  # one of disk.LOW_DISK
     side_by_side: str = "auto"  # a cell's two builds at once: one of parallel.SIDE_BY_SIDE
 
@@ -87,6 +88,7 @@ class Plan:
     prints: dict[Cell, str]
     reusable: dict[Cell, dict[str, Any]]
     disk: DiskPlan | None = None  # this machine's cells
+    jobs: int = 1  # this machine's cells run at once
     need_gib: float = 0.0
     todo: list[Cell] = field(default_factory=list)  # in the order they run (low-disk: a torch set's cells together)
     orphans_stopped: list[dict[str, Any]] = field(default_factory=list)  # process groups killed runs had left
@@ -101,6 +103,10 @@ def host_of(cell: Cell, in_image: bool) -> str:
     if cell.platform == native_platform() and not in_image:
         return "local"
     return f"image:{image_for(cell.platform).name}"
+
+
+def largest_world(selection: Selection) -> int:
+    return max(int(w) for w in selection.runtime.get("world_size", ("1",)))
 
 
 def plan_run(options: MatrixOptions) -> Plan:
@@ -119,14 +125,21 @@ def plan_run(options: MatrixOptions) -> Plan:
     todo = [c for c in selection.cells if c not in reusable]
     plan = Plan(hosts, prints, reusable, todo=todo, orphans_stopped=orphans)
     local = Selection(tuple(c for c in todo if hosts[c] == "local"), selection.runtime)
-    plan.disk = plan_disk(local.cells, options.cache, options.low_disk, options.jobs)  # first: the checks below download
+    plan.jobs = options.jobs or auto_jobs(len(local.cells), largest_world(selection))
+    try:  # first: the checks below download into the cache
+        plan.disk = plan_disk(local.cells, options.cache, options.low_disk, plan.jobs)
+    except DiskSpaceError:
+        if options.jobs is not None or plan.jobs == 1:
+            raise
+        plan.jobs = 1  # auto: one set at a time fits where two did not
+        plan.disk = plan_disk(local.cells, options.cache, options.low_disk, plan.jobs)
     if plan.disk.low_disk:
         plan.todo = grouped(todo)
     plan.need_gib = plan.disk.peak_gib
     for platform in plan.image_platforms:
         cells = [c for c in todo if c.platform == platform and hosts[c] != "local"]
         plan.need_gib += plan_disk(cells, options.cache.in_image(image_for(platform).name), "off").need_gib
-    preflight(local, options.patch, options.cache)
+    preflight(local)
     check_patch(todo, options.patch, options.cache)  # also for cells that run in an image
     if plan.image_platforms:
         image_source_tree(options.root)  # images need the suite's source tree: say so before anything runs
@@ -189,7 +202,7 @@ def run_matrix(options: MatrixOptions, plan: Plan, say: Printer, meta: Mapping[s
     )
     outcome = Outcome(run, [], interrupted=False)
     running: dict[Cell, None] = {}  # cells started and not finished (an interrupt records them)
-    reporter = progress.Reporter(len(selection.cells), options.jobs)
+    reporter = progress.Reporter(len(selection.cells), plan.jobs)
 
     def announce(cell: Cell, result: dict[str, Any], wall_s: float | None) -> None:
         outcome.verdicts.append(result["verdict"])
@@ -252,10 +265,9 @@ def _run_local_cells(
     if not cells:
         return
     selection, disk = options.selection, plan.disk
-    largest_world = max(int(w) for w in selection.runtime.get("world_size", ("1",)))
-    together = builds_side_by_side(options.side_by_side, options.jobs, largest_world)
+    together = builds_side_by_side(options.side_by_side, plan.jobs, largest_world(selection))
     how = "side by side" if together else "in turn"
-    print(f"dsmatrix: {len(cells)} cell(s) here, {options.jobs} at a time, each cell's two builds {how}", flush=True)
+    print(f"dsmatrix: {len(cells)} cell(s) here, {plan.jobs} at a time, each cell's two builds {how}", flush=True)
     left = Counter(torch_set(c) for c in cells)
 
     def one(cell: Cell) -> dict[str, Any]:
@@ -268,7 +280,7 @@ def _run_local_cells(
                 options.resume != "none", options.own_tests, together,
             )  # fmt: skip
 
-    with ThreadPoolExecutor(max(1, options.jobs), thread_name_prefix="dsmatrix-cell") as pool:
+    with ThreadPoolExecutor(plan.jobs, thread_name_prefix="dsmatrix-cell") as pool:
         futures = {pool.submit(contextvars.copy_context().run, one, cell): cell for cell in cells}
         try:
             for future in as_completed(futures):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -93,14 +94,14 @@ def cache_size() -> str:
     return proc.stdout.strip() or "unknown"
 
 
-def preflight(selection: Selection, patch: PatchSet, cache: Cache) -> None:
-    """Check every input the run depends on; raises a one-line FatalError on the first problem."""
+def preflight(selection: Selection) -> None:
+    """Check the interpreters and torch versions the run depends on; raises a one-line FatalError
+    on the first problem (``check_patch`` checks the fix)."""
     for python in sorted({c.python for c in selection.cells}):
         find_interpreter(python)
     for python, torch in sorted({(c.python, c.torch) for c in selection.cells}):
         progress.stage(f"checking the inputs: torch {torch} for Python {python}")
         check_installable(f"torch=={torch}", python)
-    check_patch(selection.cells, patch, cache)
 
 
 def check_patch(cells: Sequence[Cell], patch: PatchSet, cache: Cache) -> None:
@@ -357,6 +358,12 @@ def own_tests(
     }
 
 
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of every child process reaped so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_cell(
     cell: Cell,
     selection: Selection,
@@ -375,6 +382,7 @@ def run_cell(
     (``reuse_stock``; ``--fresh`` turns it off). ``together``: the two builds are prepared and
     tested at the same time. Benchmarks run alone (``parallel.GATE``)."""
     started = time.monotonic()
+    cpu_before = _children_cpu_s()
     result = cell_result_skeleton(cell, fingerprint, ERROR, "did not finish")
     result.update(runtime={axis: list(v) for axis, v in selection.runtime.items()}, patch=patch.describe(), host=describe())
     result["concurrency"] = {"builds_side_by_side": together}
@@ -429,6 +437,8 @@ def run_cell(
         "setup_s": round(setup_s, 1),
         "tests_s": round(tests_s, 1),
         "total_s": round(time.monotonic() - started, 1),
+        # CPU time of the processes this cell ran (both builds); another cell's too when --jobs > 1
+        "children_cpu_s": round(_children_cpu_s() - cpu_before, 1),
         "emulated": result["host"]["emulated"],  # emulated timings never feed a throughput verdict
     }
     result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -76,6 +76,7 @@ def test_missing_patch(tmp_path: Path) -> None:
         ["--bench", "--bench-minutes", "0"],
         ["--bench", "--instructions-margin", "-0.01"],
         ["--platform", "linux/s390x"],
+        ["--jobs", "0"],
     ],
 )
 def test_bad_options(tmp_path: Path, args: list[str]) -> None:

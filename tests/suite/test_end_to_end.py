@@ -70,9 +70,9 @@ def test_two_ranks_see_every_bug(tmp_path: Path) -> None:
 
 
 def test_interrupted_run_keeps_finished_cells(tmp_path: Path) -> None:
-    """SIGTERM a two-cell run once its first cell is recorded: that cell survives `fixed`, the second is
-    recorded `interrupted`, and a re-run runs only the second."""
-    import os
+    """SIGTERM a two-cell run (``--jobs 2``: both cells at once) once its first cell is recorded: that
+    cell survives `fixed`, the other is recorded `interrupted` with its children stopped, and a
+    re-run runs only that one."""
     import signal
     import subprocess
     import sys
@@ -80,7 +80,7 @@ def test_interrupted_run_keeps_finished_cells(tmp_path: Path) -> None:
 
     results = tmp_path / "results"
     command = [sys.executable, "-m", "dsmatrix", "matrix", "--dtype", "fp32", "--checkpointing", "off", "--results", str(results)]
-    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ})
+    proc = subprocess.Popen([*command, "--jobs", "2"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     summary_path = results / "latest" / "summary.json"
     deadline = time.monotonic() + 1800
     while time.monotonic() < deadline and proc.poll() is None:
@@ -89,15 +89,16 @@ def test_interrupted_run_keeps_finished_cells(tmp_path: Path) -> None:
         time.sleep(1)
     assert proc.poll() is None, "the run ended before it could be interrupted: " + proc.communicate()[1]
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
+    assert "2 cell(s) here, 2 at a time" in stdout
     assert "interrupted; 1 finished cell(s) kept" in stderr
     summary = json.loads(summary_path.read_text())
     assert summary["status"] == "interrupted"
-    assert [(c["id"], c["verdict"]) for c in summary["cells"]] == [
-        ("py3.11-torch2.13.0+cpu-ds0.19.2", "fixed"),
-        ("py3.11-torch2.13.0+cpu-ds0.19.8", "interrupted"),
-    ]
+    verdicts = {c["id"]: c["verdict"] for c in summary["cells"]}
+    assert sorted(verdicts) == ["py3.11-torch2.13.0+cpu-ds0.19.2", "py3.11-torch2.13.0+cpu-ds0.19.8"]
+    assert sorted(verdicts.values()) == ["fixed", "interrupted"] and summary["cells"][0]["verdict"] == "fixed"
+    assert subprocess.run(["pgrep", "-f", str(results)], capture_output=True).returncode == 1, "a child of the run survived"
     assert json.loads((results / "latest" / summary["cells"][0]["file"]).read_text())["verdict"] == "fixed"
     assert not [p for p in results.rglob("*") if p.name.endswith(".tmp")]
 
