@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dsmatrix import __version__
+from dsmatrix import __version__, progress
 from dsmatrix.bench import DEFAULT_MARGIN, DEFAULT_MAX_ROUNDS, DEFAULT_MINUTES, BenchOptions
 from dsmatrix.cache import Cache, default_root
 from dsmatrix.cells import Cell, Selection, plan_cells
@@ -292,7 +292,7 @@ def command_matrix(args: argparse.Namespace) -> int:
         rules = ", ".join(sorted({e.rule.id for e in selection.excluded})) or "no rule"
         raise ConfigError(f"tier {args.tier}: the selection leaves no cell to run ({len(selection.excluded)} excluded by {rules})")
     try:
-        with interrupts_raise():
+        with interrupts_raise(), progress.reporting(progress.Reporter(total=0, live=False)):  # heartbeats while inputs are checked
             plan = plan_run(options)
     except KeyboardInterrupt:  # before the run folder exists: its children are stopped, nothing was written
         print("dsmatrix: interrupted while checking the inputs; nothing was written", file=sys.stderr)
