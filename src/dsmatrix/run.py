@@ -122,8 +122,8 @@ def test_environment(python: Path, extensions_dir: Path, port: int, rank: int, w
         WORLD_SIZE=str(world_size),
         PYTHONUNBUFFERED="1",
     )
-    # One intra-op thread per rank (unless set): cells, builds and ranks run side by side and share
-    # the cores; two threads a process cost 19% more CPU and 25% more wall time on 2 cores (measured).
+    # One intra-op thread per rank (unless set; the matrix command sets it for every child): cells,
+    # builds and ranks run side by side and share the cores (measured, docs/measurements.md).
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
