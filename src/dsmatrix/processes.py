@@ -57,11 +57,37 @@ def _record(proc: subprocess.Popen[Any], command: Sequence[str]) -> Path | None:
     return entry
 
 
-def stop_group(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
-    """SIGTERM the child's group, then SIGKILL whatever is left of it after ``grace_s``; reap the child."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
+def session_members(sid: int) -> list[int]:
+    """The processes of session ``sid``. Every child starts a session of its own, and whatever it
+    starts stays in it: ninja (torch's JIT build) puts each compile command in a process group of
+    its own, which signalling the child's group misses."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state ppid pgrp session ...
+        except OSError:
+            continue
+        if int(fields[3]) == sid:
+            members.append(int(entry.name))
+    return members
+
+
+def signal_session(leader: int, sig: int) -> None:
+    """``sig`` to the leader's process group and to every other process of its session."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, sig)
+    for pid in session_members(leader):
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
+            os.kill(pid, sig)
+
+
+def stop_group(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
+    """SIGTERM the child's session (its group and any group inside it), then SIGKILL whatever is
+    left of it after ``grace_s``; reap the child."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
+        signal_session(proc.pid, sig)
         try:
             proc.wait(timeout=wait)
         except subprocess.TimeoutExpired:
@@ -76,10 +102,11 @@ def stop_group(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
 
 
 def _group_alive(pgid: int) -> bool:
+    """Whether the child's group, or anything else of its session, is still there."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
-        return False
+        return bool(session_members(pgid))
     except PermissionError:
         return True
     return True
@@ -171,8 +198,7 @@ def stop_orphans(folder: Path) -> list[dict[str, Any]]:
             continue
         leader = int(data["leader"])
         if alive(leader, data["leader_start"]) or (start_time(leader) is None and _group_alive(leader)):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(leader, signal.SIGKILL)
+            signal_session(leader, signal.SIGKILL)  # the whole session: ninja's compile groups too
             stopped.append(data)
         entry.unlink(missing_ok=True)
     return stopped

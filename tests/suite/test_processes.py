@@ -60,23 +60,35 @@ def test_the_groups_of_a_killed_run_are_stopped_by_the_next(tmp_path: Path) -> N
         "import sys, time; from pathlib import Path; from dsmatrix import processes\n"
         f"processes.track_in(Path({str(registry)!r}))\n"
         "processes.start(['sh', '-c', 'sleep 301 & sleep 301 & wait'])\n"
+        # what ninja does with each compile command: a process group of its own inside the session
+        'grandchild = \'import subprocess, time; subprocess.Popen(["sleep", "302"], process_group=0); time.sleep(300)\'\n'
+        "processes.start([sys.executable, '-c', grandchild])\n"
         "print('started', flush=True); time.sleep(300)\n"
     )
     owner = subprocess.Popen([sys.executable, "-c", owner_code], stdout=subprocess.PIPE, text=True)
     assert owner.stdout is not None and owner.stdout.readline().strip() == "started"
-    (entry,) = registry.glob("*.json")
-    leader = json.loads(entry.read_text())["leader"]
+    deadline = time.monotonic() + 10
+    while len(list(registry.glob("*.json"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    entries = sorted(registry.glob("*.json"), key=lambda e: json.loads(e.read_text())["command"][0] != "sh")
+    leader, ninja_like = (json.loads(e.read_text())["leader"] for e in entries)
     assert _wait_for(3, leader) == 3  # sh and two sleeps, in the child's own group
+    deadline = time.monotonic() + 10
+    while len(processes.session_members(ninja_like)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    own_group = [p for p in processes.session_members(ninja_like) if os.getpgid(p) != ninja_like]
+    assert len(own_group) == 1, "the grandchild left its parent's group"
     assert processes.stop_orphans(registry) == [], "the owner is alive: its groups are its own"
     os.kill(owner.pid, signal.SIGKILL)  # killed outright: it cannot stop its group
     owner.wait()
     assert len(_members(leader)) == 3, "SIGKILL of the owner leaves its children running"
     stopped = processes.stop_orphans(registry)
-    assert [s["leader"] for s in stopped] == [leader]
+    assert sorted(s["leader"] for s in stopped) == sorted([leader, ninja_like])
     deadline = time.monotonic() + 10
-    while _members(leader) and time.monotonic() < deadline:
+    while (_members(leader) or processes.session_members(ninja_like)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _members(leader) and not list(registry.glob("*.json"))
+    assert not processes.session_members(ninja_like), "a grandchild in a group of its own survived"
 
 
 def _wait_for(count: int, pgid: int) -> int:
