@@ -121,10 +121,11 @@ def set_entries(cache: Cache, key: TorchSet, cells: Iterable[Cell]) -> list[Path
     return [e for e in dict.fromkeys(entries) if e.exists()]
 
 
-def prune_set(cache: Cache, key: TorchSet, cells: Iterable[Cell]) -> float:
-    """Remove a finished set's entries (each under its lock, as it was built); returns the GiB freed."""
+def prune_set(cache: Cache, entries: Iterable[Path]) -> float:
+    """Remove a finished set's entries (``set_entries``; each under its lock, as it was built);
+    returns the GiB freed."""
     before = shutil.disk_usage(cache.root).used
-    for entry in set_entries(cache, key, cells):
+    for entry in entries:
         with lock_for(entry):
             shutil.rmtree(entry, ignore_errors=True)
         Path(f"{entry}.lock").unlink(missing_ok=True)

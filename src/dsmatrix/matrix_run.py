@@ -189,7 +189,7 @@ Printer = Callable[[Cell, dict[str, Any]], None]
 
 def run_matrix(options: MatrixOptions, plan: Plan, say: Printer, meta: Mapping[str, Any]) -> Outcome:
     """Run the planned cells: reused ones recorded (and benchmarked anew when asked), local ones
-    here (``options.jobs`` at a time), the rest in their platform's image; ``say`` prints each
+    here (``plan.jobs`` at a time), the rest in their platform's image; ``say`` prints each
     finished cell, and the progress reporter where the run is."""
     selection = options.selection
     run = start_run(options.results, dict(meta))
@@ -259,7 +259,7 @@ def _disk_facts(plan: Plan, watch: DiskWatch) -> dict[str, Any]:
 def _run_local_cells(
     options: MatrixOptions, plan: Plan, run: Run, running: dict[Cell, None], finished: Callable[[Cell, dict[str, Any], float | None], None]
 ) -> None:
-    """This machine's cells, ``options.jobs`` at a time, in ``plan.todo``'s order; in low-disk mode
+    """This machine's cells, ``plan.jobs`` at a time, in ``plan.todo``'s order; in low-disk mode
     a new torch set is pruned after its last cell."""
     cells = [c for c in plan.todo if plan.hosts[c] == "local"]
     if not cells:
@@ -301,7 +301,7 @@ def _run_local_cells(
 def _prune(cache: Cache, key: TorchSet, cells: list[Cell]) -> None:
     entries = set_entries(cache, key, cells)
     size = tree_gib(entries)
-    freed = prune_set(cache, key, cells)
+    freed = prune_set(cache, entries)
     print(f"dsmatrix: low-disk: {set_name(key)} finished: its uv cache, builder and environments held {size:.1f} GiB; "
           f"removed ({freed:.1f} GiB freed)", flush=True)  # fmt: skip
 

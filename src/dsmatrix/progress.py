@@ -159,7 +159,7 @@ class Reporter:
             now = time.monotonic()
             with self._lock:
                 lanes = list(self._lanes.values())
-            busy = {name.rsplit(" [", 1)[0] for name in self._lanes if name.endswith("]")}
+            busy = {lane.name.rsplit(" [", 1)[0] for lane in lanes if lane.name.endswith("]")}
             for lane in lanes:
                 if lane.name in busy and lane.task is None:  # its builds' lanes speak for it
                     continue

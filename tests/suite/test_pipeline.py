@@ -72,7 +72,7 @@ def test_low_disk_mode_prunes_only_new_sets_and_everything_that_links_into_them(
     entries = set_entries(cache, key, cells)
     assert set(entries) == {uv_cache(cache, key), builder, *(tmp_path / "envs" / c.id for c in cells)}
     assert tree_gib(entries) == pytest.approx(1_000_000 / GIB, rel=0.05)  # one inode, counted once
-    prune_set(cache, key, cells)
+    prune_set(cache, entries)
     assert not any(e.exists() for e in entries) and kept.is_dir()
     assert (tmp_path / "builders" / "py3.11-torch2.13.0+cpu-abc").is_dir()
 
