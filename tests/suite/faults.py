@@ -173,13 +173,17 @@ def kill_at(
     that finishes before reaching the point is recorded as not reached."""
     delay = round(rng.uniform(0.0, max_delay_s), 2)
     extra = {"DSMATRIX_KILL_AT_WRITE": "summary.json:2"} if point == SUMMARY_WRITE else None
+    # What a killed run before this one left (its orphans, its summary) is not this run's: an orphaned
+    # pytest of the last run must not count as this run reaching its tests, nor its summary as this run's.
+    earlier = {p.pid for p in of_cache(cache)}
+    earlier_run = (latest_summary(results) or {}).get("run_id")
     run = start_run(command, cache, log, cwd, extra)
     deadline = time.monotonic() + timeout_s
     target = ""
     reached = point == SUMMARY_WRITE
     if point in KILL_POINTS:
         while time.monotonic() < deadline and run.proc.poll() is None:
-            hit = next((p for p in of_cache(cache) if KILL_POINTS[point](p)), None)
+            hit = next((p for p in of_cache(cache) if p.pid not in earlier and KILL_POINTS[point](p)), None)
             if hit is not None:
                 reached, target = True, hit.describe()
                 break
@@ -197,6 +201,8 @@ def kill_at(
         code = run.proc.wait()
     time.sleep(2.0)  # what is left a moment later (a stopped group has had its grace period by now)
     summary = latest_summary(results) or {}
+    if earlier_run is not None and summary.get("run_id") == earlier_run:
+        summary = {}  # this run wrote no summary (stopped while it checked its inputs)
     verdicts = {str(c["id"]): str(c["verdict"]) for c in summary.get("cells", [])}  # type: ignore[union-attr]
     signal_name = "SIGKILL (seam)" if point == SUMMARY_WRITE else sig.name
     return KillRecord(point, signal_name, delay, reached, code, summary.get("status"), verdicts, leftovers(cache), target)  # type: ignore[arg-type]
