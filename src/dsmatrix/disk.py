@@ -50,12 +50,17 @@ def set_gib(key: TorchSet) -> float:
     return TORCH_SET_GIB["cpu" if "+cpu" in torch or platform == "linux/arm64" else "cuda"]
 
 
-def grouped(cells: Sequence[Cell]) -> list[Cell]:
-    """The cells with each set's cells together, sets in the order they first appear."""
+def by_set(cells: Sequence[Cell]) -> list[list[Cell]]:
+    """The cells in groups of one set each, sets in the order they first appear."""
     order: dict[TorchSet, list[Cell]] = {}
     for cell in cells:
         order.setdefault(torch_set(cell), []).append(cell)
-    return [cell for group in order.values() for cell in group]
+    return list(order.values())
+
+
+def grouped(cells: Sequence[Cell]) -> list[Cell]:
+    """The cells with each set's cells together, sets in the order they first appear."""
+    return [cell for group in by_set(cells) for cell in group]
 
 
 @dataclass(frozen=True)

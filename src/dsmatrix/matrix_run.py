@@ -21,7 +21,6 @@ import shutil
 import signal
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -32,7 +31,20 @@ from dsmatrix import processes, progress
 from dsmatrix.bench import REGRESSION, BenchOptions
 from dsmatrix.cache import Cache
 from dsmatrix.cells import Cell, Selection
-from dsmatrix.disk import DiskPlan, DiskWatch, TorchSet, grouped, plan_disk, prune_set, set_entries, set_name, torch_set, tree_gib, uv_cache
+from dsmatrix.disk import (
+    DiskPlan,
+    DiskWatch,
+    TorchSet,
+    by_set,
+    grouped,
+    plan_disk,
+    prune_set,
+    set_entries,
+    set_name,
+    torch_set,
+    tree_gib,
+    uv_cache,
+)
 from dsmatrix.environments import uv_cache_dir
 from dsmatrix.errors import DiskSpaceError
 from dsmatrix.hosts import native_platform
@@ -259,8 +271,9 @@ def _disk_facts(plan: Plan, watch: DiskWatch) -> dict[str, Any]:
 def _run_local_cells(
     options: MatrixOptions, plan: Plan, run: Run, running: dict[Cell, None], finished: Callable[[Cell, dict[str, Any], float | None], None]
 ) -> None:
-    """This machine's cells, ``plan.jobs`` at a time, in ``plan.todo``'s order; in low-disk mode
-    a new torch set is pruned after its last cell."""
+    """This machine's cells, ``plan.jobs`` at a time, in ``plan.todo``'s order. In low-disk mode
+    the torch sets run one after another: a new set is pruned after its last cell, before the next
+    set's cells start (so at most one set's cache is on disk, as the disk plan assumed)."""
     cells = [c for c in plan.todo if plan.hosts[c] == "local"]
     if not cells:
         return
@@ -268,7 +281,6 @@ def _run_local_cells(
     together = builds_side_by_side(options.side_by_side, plan.jobs, largest_world(selection))
     how = "side by side" if together else "in turn"
     print(f"dsmatrix: {len(cells)} cell(s) here, {plan.jobs} at a time, each cell's two builds {how}", flush=True)
-    left = Counter(torch_set(c) for c in cells)
 
     def one(cell: Cell) -> dict[str, Any]:
         key = torch_set(cell)
@@ -280,7 +292,24 @@ def _run_local_cells(
                 options.resume != "none", options.own_tests, together,
             )  # fmt: skip
 
-    with ThreadPoolExecutor(plan.jobs, thread_name_prefix="dsmatrix-cell") as pool:
+    batches = by_set(cells) if disk and disk.low_disk else [cells]
+    for batch in batches:
+        _run_batch(plan.jobs, batch, one, running, finished)
+        key = torch_set(batch[0])
+        if disk and disk.pruned(key):
+            _prune(options.cache, key, batch)
+
+
+def _run_batch(
+    jobs: int,
+    cells: list[Cell],
+    one: Callable[[Cell], dict[str, Any]],
+    running: dict[Cell, None],
+    finished: Callable[[Cell, dict[str, Any], float | None], None],
+) -> None:
+    """``one`` on each cell, ``jobs`` at a time; each result recorded as it finishes. An interrupt
+    stops every child process, then waits for the workers."""
+    with ThreadPoolExecutor(jobs, thread_name_prefix="dsmatrix-cell") as pool:
         futures = {pool.submit(contextvars.copy_context().run, one, cell): cell for cell in cells}
         try:
             for future in as_completed(futures):
@@ -288,10 +317,6 @@ def _run_local_cells(
                 result = future.result()
                 finished(cell, result, result["timings"].get("total_s"))
                 running.pop(cell, None)
-                key = torch_set(cell)
-                left[key] -= 1
-                if disk and disk.pruned(key) and left[key] == 0:
-                    _prune(options.cache, key, [c for c in cells if torch_set(c) == key])
         except KeyboardInterrupt:
             processes.stop_all()
             pool.shutdown(wait=True, cancel_futures=True)

@@ -206,7 +206,20 @@ PROGRESS_LINE = re.compile(r"^([.FEsxX]+)\s*(\[\s*\d+%\])?$")  # pytest -q: one 
 
 def probe_of_tests(out_dir: Path, name: str, extensions_dir: Path) -> Callable[[], str]:
     """What a running test stage can say: the op torch is JIT-building (its ``lock`` in the
-    extensions folder), or how many tests the newest rank-0 log shows finished (and failed)."""
+    extensions folder), or how many tests the newest rank-0 log shows finished (and failed). Each
+    log is read on from where the last call stopped, whole lines only."""
+    read: dict[Path, tuple[int, str]] = {}  # log -> (bytes read, progress marks seen)
+
+    def marks_of(log: Path) -> str:
+        offset, marks = read.get(log, (0, ""))
+        with log.open("rb") as handle:
+            handle.seek(offset)
+            chunk = handle.read()
+        whole = chunk[: chunk.rfind(b"\n") + 1]
+        lines = whole.decode(errors="replace").splitlines()
+        marks += "".join(m.group(1) for line in lines if (m := PROGRESS_LINE.match(line)))
+        read[log] = (offset + len(whole), marks)
+        return marks
 
     def probe() -> str:
         building = sorted(lock.parent.name for lock in extensions_dir.glob("*/lock"))
@@ -215,7 +228,7 @@ def probe_of_tests(out_dir: Path, name: str, extensions_dir: Path) -> Callable[[
         logs = sorted(out_dir.glob(f"{glob.escape(name)}-ws*-rank0.log"), key=lambda p: p.stat().st_mtime)
         if not logs:
             return ""
-        marks = "".join(m.group(1) for line in logs[-1].read_text(errors="replace").splitlines() if (m := PROGRESS_LINE.match(line)))
+        marks = marks_of(logs[-1])
         world = logs[-1].name.rsplit("-ws", 1)[-1].split("-", 1)[0]
         failed = sum(marks.count(c) for c in "FE")
         return f"world size {world}: {len(marks)} test(s) done" + (f", {failed} failed" if failed else "")

@@ -141,3 +141,30 @@ def test_stock_results_are_run_once_and_reused(tmp_path: Path, monkeypatch: pyte
     other = pipeline.PreparedBuild(tmp_path / "python", tmp_path / "ext", "w.whl", {"wheel_sha256": "cd" * 32}, {}, [])
     pipeline.stock_tests(cell, other, dict(RUNTIME), Cache(tmp_path / "cache"), tmp_path / "run4" / "raw", reuse=True)
     assert len(calls) == 3
+
+
+def test_low_disk_mode_prunes_a_set_before_the_next_sets_cells_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two cells at a time, but never across sets: the disk plan counts one set (times jobs) on disk."""
+    import threading
+    import time
+
+    from dsmatrix import matrix_run
+    from dsmatrix.cells import Selection
+
+    cache, events, lock = Cache(tmp_path), [], threading.Lock()
+
+    def cell_work(cell: Cell, *args: object) -> dict[str, object]:
+        with lock:
+            events.append(("start", torch_set(cell)))
+        time.sleep(0.05 if cell != NIGHTLY_LIKE[0] else 0.3)  # the set's first cell finishes last
+        return {"verdict": "fixed", "timings": {"total_s": 0.1}}
+
+    monkeypatch.setattr(matrix_run, "run_cell", cell_work)
+    monkeypatch.setattr(matrix_run, "_prune", lambda _cache, key, cells: events.append(("prune", key)))
+    selection = Selection(tuple(NIGHTLY_LIKE), RUNTIME)
+    options = matrix_run.MatrixOptions("nightly", tmp_path, None, tmp_path / "results", cache, selection)
+    todo = grouped(NIGHTLY_LIKE)
+    plan = matrix_run.Plan({c: "local" for c in todo}, dict.fromkeys(todo, ""), {}, plan_disk(todo, cache, "on", 2), 2, todo=todo)
+    matrix_run._run_local_cells(options, plan, None, {}, lambda *a: None)  # type: ignore[arg-type]
+    sets = list(dict.fromkeys(torch_set(c) for c in todo))
+    assert events == [e for key in sets for e in [("start", key)] * sum(torch_set(c) == key for c in todo) + [("prune", key)]]

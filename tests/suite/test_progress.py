@@ -68,6 +68,13 @@ def test_tests_probe_reads_jit_locks_and_finished_tests(tmp_path: Path) -> None:
     assert probe() == ""
     (tmp_path / "cell-stock-ws2-rank0.log").write_text("..F.s.                [ 40%]\n.F\n")
     assert probe() == "world size 2: 8 test(s) done, 2 failed"
+    log = tmp_path / "cell-stock-ws2-rank0.log"
+    with log.open("a") as handle:  # read on from where it stopped; a line still being written waits
+        handle.write("..")
+        handle.flush()
+        assert probe() == "world size 2: 8 test(s) done, 2 failed"
+        handle.write("E\n")
+    assert probe() == "world size 2: 11 test(s) done, 3 failed"
     (extensions / "deepspeed_shm_comm" / "lock").touch()
     assert probe() == "JIT build of deepspeed_shm_comm"
 
