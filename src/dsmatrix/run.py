@@ -213,6 +213,8 @@ def probe_of_tests(out_dir: Path, name: str, extensions_dir: Path) -> Callable[[
     def marks_of(log: Path) -> str:
         offset, marks = read.get(log, (0, ""))
         with log.open("rb") as handle:
+            if os.fstat(handle.fileno()).st_size < offset:  # written anew (a stage run again): from the start
+                offset, marks = 0, ""
             handle.seek(offset)
             chunk = handle.read()
         whole = chunk[: chunk.rfind(b"\n") + 1]

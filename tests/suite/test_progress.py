@@ -75,6 +75,8 @@ def test_tests_probe_reads_jit_locks_and_finished_tests(tmp_path: Path) -> None:
         assert probe() == "world size 2: 8 test(s) done, 2 failed"
         handle.write("E\n")
     assert probe() == "world size 2: 11 test(s) done, 3 failed"
+    log.write_text(".\n")  # the stage ran again: the log was written anew
+    assert probe() == "world size 2: 1 test(s) done"
     (extensions / "deepspeed_shm_comm" / "lock").touch()
     assert probe() == "JIT build of deepspeed_shm_comm"
 
