@@ -3,7 +3,8 @@
 Each build's environment holds its own ``TORCH_EXTENSIONS_DIR`` (DeepSpeed JIT-builds a CPU
 comm op there; the default cache is keyed only by Python, so sharing it across versions loads
 wrong builds); where Debian's ccache is installed, the compiles go through it, so each op is
-compiled once for every environment with the same torch and op sources;
+compiled once for every environment with the same torch and op sources (the engine tests build it
+in turn under a lock in ccache's folder, so environments side by side do not both compile it);
 ``DS_ACCELERATOR=cpu``, ``LOCAL_SIZE=1`` (0.14/0.15 otherwise call numactl) and a single-rank
 gloo rendezvous on a free loopback port.
 """
@@ -109,6 +110,9 @@ def test_environment(python: Path, extensions_dir: Path, port: int, rank: int, w
     if CCACHE_MASQUERADE.is_dir() and shutil.which("ccache"):  # torch JIT-builds with `c++`: let ccache answer it
         path.insert(1, str(CCACHE_MASQUERADE))
         env.update(CCACHE_BASEDIR=str(python.parent.parent), CCACHE_NOHASHDIR="1")
+        if env.get("CCACHE_DIR"):  # the comm op is built in turn, so ccache answers the second environment
+            Path(env["CCACHE_DIR"]).mkdir(parents=True, exist_ok=True)
+            env["DSMATRIX_JIT_LOCKS"] = env["CCACHE_DIR"]
     env.update(
         PATH=os.pathsep.join(path),
         VIRTUAL_ENV=str(python.parent.parent),

@@ -53,6 +53,30 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("checkpointing", values, ids=[f"ckpt-{v}" for v in values])
 
 
+def _build_comm_op_in_turn() -> None:
+    """Build DeepSpeed's CPU comm op before the rendezvous, one process at a time per Python × torch
+    where the runner asks for it (``DSMATRIX_JIT_LOCKS``: the folder of ccache's cache). The stock
+    and patched environments of a cell compile the same sources: built side by side, both miss
+    ccache and share the cores; in turn, the second is answered from ccache. The op is the one
+    ``init_distributed`` builds anyway; a DeepSpeed without it builds nothing here."""
+    folder = os.environ.get("DSMATRIX_JIT_LOCKS")
+    if not folder:
+        return
+    try:
+        from deepspeed.comm.torch import build_shm_op
+    except ImportError:
+        return
+    import fcntl
+    import sys
+
+    import torch
+
+    name = f"jit-py{sys.version_info.major}.{sys.version_info.minor}-torch{torch.__version__}.lock"
+    with open(os.path.join(folder, name), "a") as lock:  # noqa: PTH123 - a lock file, held while building
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+        build_shm_op()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def distributed() -> None:
     """One single-rank gloo process group for the whole session."""
@@ -60,5 +84,6 @@ def distributed() -> None:
 
     import deepspeed
 
+    _build_comm_op_in_turn()
     # A rank that stops early must not leave its peers waiting forever in a collective.
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(minutes=5))

@@ -168,3 +168,54 @@ def test_low_disk_mode_prunes_a_set_before_the_next_sets_cells_start(tmp_path: P
     matrix_run._run_local_cells(options, plan, None, {}, lambda *a: None)  # type: ignore[arg-type]
     sets = list(dict.fromkeys(torch_set(c) for c in todo))
     assert events == [e for key in sets for e in [("start", key)] * sum(torch_set(c) == key for c in todo) + [("prune", key)]]
+
+
+def test_ranks_get_a_jit_lock_folder_only_where_ccache_compiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ccache, the engine tests build the comm op in turn (so the second environment is a
+    ccache hit); without it there is nothing to share and no lock."""
+    import dsmatrix.run as run
+
+    python = tmp_path / "env" / "bin" / "python"
+    monkeypatch.setenv("CCACHE_DIR", str(tmp_path / "ccache"))
+    monkeypatch.setattr(run, "CCACHE_MASQUERADE", tmp_path)
+    monkeypatch.setattr(run.shutil, "which", lambda name: "/usr/bin/ccache")
+    env = run.test_environment(python, tmp_path / "ext", 40000, 0, 1)
+    assert env["DSMATRIX_JIT_LOCKS"] == str(tmp_path / "ccache") and (tmp_path / "ccache").is_dir()
+    monkeypatch.setattr(run, "CCACHE_MASQUERADE", tmp_path / "absent")
+    assert "DSMATRIX_JIT_LOCKS" not in run.test_environment(python, tmp_path / "ext", 40000, 0, 1)
+
+
+STUB_BUILD = """
+import time, pathlib, os
+def build_shm_op():
+    with open(os.environ["BUILD_LOG"], "a") as log:
+        log.write(f"start {time.monotonic()}\\n"); log.flush(); time.sleep(0.5); log.write(f"end {time.monotonic()}\\n")
+"""
+
+
+def test_two_environments_build_the_comm_op_one_after_the_other(tmp_path: Path) -> None:
+    """The engine tests' build step under its lock: two processes started together never build at
+    once (DeepSpeed's ``build_shm_op`` stands in by a stub that logs its start and end)."""
+    import os
+    import subprocess
+    import sys
+
+    from dsmatrix.run import ENGINE_TESTS
+
+    stubs = tmp_path / "stubs"
+    (stubs / "deepspeed" / "comm").mkdir(parents=True)
+    (stubs / "deepspeed" / "__init__.py").write_text("")
+    (stubs / "deepspeed" / "comm" / "__init__.py").write_text("")
+    (stubs / "deepspeed" / "comm" / "torch.py").write_text(STUB_BUILD)
+    (stubs / "torch.py").write_text("__version__ = '0.0+stub'\n")
+    (stubs / "pytest.py").write_text("def fixture(**kwargs):\n    return lambda f: f\n")
+    locks, log = tmp_path / "locks", tmp_path / "build.log"
+    locks.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stubs), str(ENGINE_TESTS)]), "BUILD_LOG": str(log)}
+    env["DSMATRIX_JIT_LOCKS"] = str(locks)
+    code = "import cell_options; cell_options._build_comm_op_in_turn()"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(2)]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    events = [line.split() for line in log.read_text().splitlines()]
+    assert [kind for kind, _ in events] == ["start", "end", "start", "end"], events
+    assert list((locks).glob("jit-py*-torch0.0+stub.lock"))
