@@ -117,17 +117,21 @@ def report(session: nox.Session) -> None:
     session.run(suite_python(session), "-m", "dsmatrix", "report", *session.posargs, external=True)
 
 
+SLOW = "e2e or faults or docker or panel"  # the markers of tests that run real cells
+
+
 @nox.session(python=DRIVER_PYTHON)
 def tests(session: nox.Session) -> None:
-    """The suite's own tests: end-to-end cells on DeepSpeed 0.19.8, runs killed at every stage and two
-    runs sharing one cache (-m faults), then the candidate-fix panel
+    """The suite's own tests: the quick ones two at a time, then end-to-end cells on DeepSpeed 0.19.8, runs
+    killed at every stage and two runs sharing one cache (-m faults), then the candidate-fix panel
     (two candidates at a time; each builds and tests its own patched DeepSpeed). With arguments,
     one pytest run with exactly those arguments."""
     session.install("-e", ".[test]")
     if session.posargs:
         session.run("pytest", *session.posargs)
         return
-    session.run("pytest", "-m", "not panel")
+    session.run("pytest", "-m", f"not ({SLOW})", "-n", "2")  # the quick tests, two at a time
+    session.run("pytest", "-m", f"({SLOW}) and not panel")  # real cells: each uses both cores already
     session.run("pytest", "-m", "panel", "-n", "2")
 
 
