@@ -186,7 +186,7 @@ def test_ranks_get_a_jit_lock_folder_only_where_ccache_compiles(tmp_path: Path, 
 
 
 STUB_BUILD = """
-import time, pathlib, os
+import time, os
 def build_shm_op():
     with open(os.environ["BUILD_LOG"], "a") as log:
         log.write(f"start {time.monotonic()}\\n"); log.flush(); time.sleep(0.5); log.write(f"end {time.monotonic()}\\n")
@@ -218,4 +218,4 @@ def test_two_environments_build_the_comm_op_one_after_the_other(tmp_path: Path) 
     assert [p.wait(timeout=60) for p in procs] == [0, 0]
     events = [line.split() for line in log.read_text().splitlines()]
     assert [kind for kind, _ in events] == ["start", "end", "start", "end"], events
-    assert list((locks).glob("jit-py*-torch0.0+stub.lock"))
+    assert list(locks.glob("jit-py*-torch0.0+stub.lock"))
