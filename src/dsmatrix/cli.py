@@ -313,7 +313,9 @@ def command_matrix(args: argparse.Namespace) -> int:
         {"cell": {**e.cell.as_dict(), "label": e.cell.label}, "rule": e.rule.id, "reason": e.rule.reason} for e in selection.excluded
     ]
     runtime = {a: list(v) for a, v in selection.runtime.items()}
+    planned = [{**c.as_dict(), "label": c.label} for c in selection.cells]  # a merged report checks that each one finished somewhere
     meta = {"tier": args.tier, "matrix": str(options.matrix), "patch": options.patch.describe(), "runtime": runtime, "excluded": excluded}
+    meta["planned"] = planned
     outcome = run_matrix(options, plan, _print_result, meta)
     if outcome.interrupted:
         return outcome.exit_code

@@ -23,15 +23,16 @@ from dsmatrix.errors import ConfigError, ResultsError
 from dsmatrix.plots import leak_plot, ratio_plot
 from dsmatrix.results import load_run, write_json
 from dsmatrix.run import outcome_from_dict
-from dsmatrix.verdict import ERROR, FIXED, is_behaviour, test_state
+from dsmatrix.verdict import ERROR, FIXED, INTERRUPTED, is_behaviour, test_state
 
 REPORT_SCHEMA = "dsmatrix-qualification/1"
 SCHEMA_FILE = Path(__file__).parent / "schemas" / "qualification.schema.json"
 QUALIFIED, NOT_QUALIFIED, CORRECT_ONLY = "QUALIFIED", "NOT QUALIFIED", "CORRECT, THROUGHPUT NOT SHOWN"
 HEADLINES = (QUALIFIED, CORRECT_ONLY, NOT_QUALIFIED)  # best first: --require X passes for X and better
 RULE = (
-    "QUALIFIED when every run completed, every non-excluded cell is `fixed` and every cell's throughput is `no-regression` "
-    "(by the throughput rule below); NOT QUALIFIED when a run is incomplete, a cell is not `fixed` or a throughput regression "
+    "QUALIFIED when every run completed (for a run that records its plan: each planned cell finished in one of the merged "
+    "runs), every non-excluded cell is `fixed` and every cell's throughput is `no-regression` (by the throughput rule below); "
+    "NOT QUALIFIED when a run is incomplete, a cell is not `fixed` or a throughput regression "
     "is decided; otherwise CORRECT, THROUGHPUT NOT SHOWN, naming the cells whose throughput was not measured or not decided"
 )
 BUILDS = ("stock", "patched")
@@ -61,8 +62,10 @@ def load_source(path: Path) -> Source:
 
 def merge(sources: Sequence[Source]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Cells keyed by fingerprint (the newest result of a fingerprint wins), each tagged with the
-    run it came from; excluded cells united by cell id. Stores that tested different patches
-    cannot make one report."""
+    run it came from; then one result per cell (its versions, platform, host and runtime axes): the
+    newest that finished, so a later run's result supersedes an ``interrupted`` one whatever the suite
+    version. Excluded cells are united by cell id. Stores that tested different patches cannot make
+    one report."""
     patches = {s.summary["patch"]["sha256"]: s for s in sources}
     if len(patches) > 1:
         named = ", ".join(f"{s.root} ({sha[:12]})" for sha, s in patches.items())
@@ -71,10 +74,16 @@ def merge(sources: Sequence[Source]) -> tuple[list[dict[str, Any]], list[dict[st
     for source in sources:
         for cell in source.cells:
             tagged = {**cell, "source": {"run_id": source.summary["run_id"], "root": str(source.root)}}
+            tagged.setdefault("runtime", source.summary.get("runtime"))  # an interrupted cell's record has only its run's
             key = cell.get("fingerprint") or f"{source.root}:{cell['cell']['id']}"
             if key not in by_print or cell.get("finished_at", "") > by_print[key].get("finished_at", ""):
                 by_print[key] = tagged
-    cells = sorted(by_print.values(), key=lambda c: (c["cell"].get("platform", "linux/amd64"), c["cell"]["id"]))
+    by_cell: dict[str, dict[str, Any]] = {}
+    for cell in by_print.values():
+        key = _cell_key(cell)
+        if key not in by_cell or _precedence(cell) > _precedence(by_cell[key]):
+            by_cell[key] = cell
+    cells = sorted(by_cell.values(), key=lambda c: (c["cell"].get("platform", "linux/amd64"), c["cell"]["id"]))
     ran = {c["cell"]["id"] for c in cells}
     excluded: dict[str, dict[str, Any]] = {}
     for source in sources:
@@ -82,6 +91,36 @@ def merge(sources: Sequence[Source]) -> tuple[list[dict[str, Any]], list[dict[st
             if entry["cell"]["id"] not in ran:
                 excluded.setdefault(entry["cell"]["id"], entry)
     return cells, sorted(excluded.values(), key=lambda e: e["cell"]["id"])
+
+
+def _cell_key(cell: dict[str, Any]) -> str:
+    """What one row of the report is: the cell's values (label aside), where it ran, its runtime axes."""
+    values = {k: v for k, v in cell["cell"].items() if k != "label"}
+    where = (cell.get("image") or {}).get("tag", "runner")
+    return json.dumps([values, where, cell.get("runtime")], sort_keys=True)
+
+
+def _precedence(cell: dict[str, Any]) -> tuple[bool, str]:
+    """Finished before ``interrupted``, then newest."""
+    return cell["verdict"] != INTERRUPTED, cell.get("finished_at", "")
+
+
+def _unfinished(sources: Sequence[Source], cells: list[dict[str, Any]]) -> list[str]:
+    """Why the runs do not cover what they planned: a run that records its plan is covered when each
+    planned cell finished in some merged run; one that does not (older stores) must be complete."""
+    finished = {c["cell"]["id"] for c in cells if c["verdict"] != INTERRUPTED}
+    reasons: list[str] = []
+    for source in sources:
+        summary = source.summary
+        if "planned" not in summary:
+            if summary.get("status") != "complete":
+                reasons.append(f"run {summary['run_id']} is {summary.get('status')}, not complete")
+            continue
+        missing = [p["label"] for p in summary["planned"] if p["id"] not in finished]
+        if missing:
+            status = summary.get("status")
+            reasons.append(f"run {summary['run_id']} is {status}: {len(missing)} planned cell(s) never finished ({', '.join(missing)})")
+    return reasons
 
 
 def _test_grid(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -230,8 +269,7 @@ def _cell_entry(cell: dict[str, Any]) -> dict[str, Any]:
 
 def headline(sources: Sequence[Source], cells: list[dict[str, Any]]) -> tuple[str, list[str], str]:
     """(headline, reasons, summary) by ``RULE``: what failed, else what was not shown, else qualified."""
-    unfinished = [s.summary for s in sources if s.summary.get("status") != "complete"]
-    reasons = [f"run {summary['run_id']} is {summary.get('status')}, not complete" for summary in unfinished]
+    reasons = _unfinished(sources, cells)
     if not cells:
         reasons.append("no cell ran")
     reasons += [f"{c['cell']['label']}: {c['verdict']}" for c in cells if c["verdict"] != FIXED]

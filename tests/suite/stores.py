@@ -118,9 +118,15 @@ EXCLUDED = {
 }  # fmt: skip
 
 
-def store(root: Path, cells: list[dict], status: str = "complete", patch: dict = PATCH, excluded: list | None = None) -> Run:
-    """A results store at ``root`` with one run holding ``cells`` (and their JUnit files)."""
-    run = start_run(root, {"tier": "default", "patch": patch, "runtime": {"dtype": ["fp32"]}, "excluded": excluded or []})
+def store(
+    root: Path, cells: list[dict], status: str = "complete", patch: dict = PATCH, excluded: list | None = None, planned: list | None = None
+) -> Run:
+    """A results store at ``root`` with one run holding ``cells`` (and their JUnit files); ``planned``
+    (cell dicts) is recorded as the run's plan when given, as a matrix run records it."""
+    meta = {"tier": "default", "patch": patch, "runtime": {"dtype": ["fp32"]}, "excluded": excluded or []}
+    if planned is not None:
+        meta["planned"] = planned
+    run = start_run(root, meta)
     for result in cells:
         for build in result.get("builds", {}).values():
             for name in build.get("junit", []):

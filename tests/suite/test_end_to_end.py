@@ -98,6 +98,7 @@ def test_interrupted_run_keeps_finished_cells(tmp_path: Path) -> None:
     verdicts = {c["id"]: c["verdict"] for c in summary["cells"]}
     assert sorted(verdicts) == ["py3.11-torch2.13.0+cpu-ds0.19.2", "py3.11-torch2.13.0+cpu-ds0.19.8"]
     assert sorted(verdicts.values()) == ["fixed", "interrupted"] and summary["cells"][0]["verdict"] == "fixed"
+    assert sorted(p["id"] for p in summary["planned"]) == sorted(verdicts), "the run records its plan for a merged report"
     assert subprocess.run(["pgrep", "-f", str(results)], capture_output=True).returncode == 1, "a child of the run survived"
     assert json.loads((results / "latest" / summary["cells"][0]["file"]).read_text())["verdict"] == "fixed"
     assert not [p for p in results.rglob("*") if p.name.endswith(".tmp")]

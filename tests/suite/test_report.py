@@ -132,6 +132,36 @@ def test_an_interrupted_run_does_not_qualify(tmp_path: Path) -> None:
     assert report["verdict"] == "NOT QUALIFIED" and report["verdict_reasons"] == [f"run {run.id} is interrupted, not complete"]
 
 
+@pytest.mark.parametrize("order", ["parts in order", "parts reversed"])
+def test_a_later_part_supersedes_an_interrupted_cell_whatever_the_suite_version(tmp_path: Path, order: str) -> None:
+    """The nightly tier in parts: part 1 was stopped with one cell running; part 2, from a newer suite
+    (another fingerprint), finished it. One report covers both, each cell once, every plan covered.
+    As in a real store, only the finished record carries the runtime axes; the interrupted one has its run's."""
+    done = cell("0.19.2", "fixed", ["part 1"])
+    stopped = cell("0.19.8", "interrupted", ["interrupted"], fingerprint="fp-old", finished_at="2026-11-30T11:00:00Z")
+    rerun = cell("0.19.8", "fixed", ["part 2"], fingerprint="fp-new", finished_at="2026-11-30T12:00:00Z", runtime={"dtype": ["fp32"]})
+    first = store(tmp_path / "part1", [done, stopped], status="interrupted", planned=[done["cell"], stopped["cell"]])
+    second = store(tmp_path / "part2", [rerun], planned=[rerun["cell"]])
+    parts = [tmp_path / "part1", tmp_path / "part2"]
+    report = load_report(write_report(parts if order == "parts in order" else parts[::-1], tmp_path / "reports"))
+    assert [(c["id"], c["verdict"], c["source"]["run_id"]) for c in report["cells"]] == [
+        ("py3.11-torch2.13.0+cpu-ds0.19.2", "fixed", first.id),
+        ("py3.11-torch2.13.0+cpu-ds0.19.8", "fixed", second.id),
+    ]
+    assert report["verdict"] == "CORRECT, THROUGHPUT NOT SHOWN", report["verdict_reasons"]
+
+
+def test_a_planned_cell_that_never_finished_anywhere_is_named(tmp_path: Path) -> None:
+    done = cell("0.19.2", "fixed", ["ran"])
+    stopped = cell("0.19.8", "interrupted", ["interrupted"])
+    never = cell("0.18.9", "fixed", [])["cell"]
+    run = store(tmp_path / "results", [done, stopped], status="interrupted", planned=[done["cell"], stopped["cell"], never])
+    report = load_report(write_report([tmp_path / "results"], tmp_path / "reports"))
+    labels = f"{stopped['cell']['label']}, {never['label']}"
+    assert report["verdict"] == "NOT QUALIFIED"
+    assert report["verdict_reasons"][0] == f"run {run.id} is interrupted: 2 planned cell(s) never finished ({labels})"
+
+
 def test_two_stores_from_different_runners_merge_into_one_report(tmp_path: Path) -> None:
     """What the scheduled workflow's report job does with the artifacts of an x86 and an ARM runner."""
     x86 = store(tmp_path / "artifacts" / "x86", [FIXED], excluded=[EXCLUDED])
