@@ -219,3 +219,24 @@ def test_two_environments_build_the_comm_op_one_after_the_other(tmp_path: Path) 
     events = [line.split() for line in log.read_text().splitlines()]
     assert [kind for kind, _ in events] == ["start", "end", "start", "end"], events
     assert list(locks.glob("jit-py*-torch0.0+stub.lock"))
+
+
+def test_a_venv_or_shim_of_an_interpreter_is_found_as_the_interpreter_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """setup-python's tool cache under act is a venv of the local interpreter: environments made
+    outside act must be reused inside it, so both must name the same interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    from dsmatrix.environments import find_interpreter
+
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    real = Path(os.path.realpath(sys._base_executable))
+    subprocess.run([str(real), "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
+    shim = tmp_path / "shims" / f"python{version}"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\nexec "{real}" "$@"\n')
+    shim.chmod(0o755)
+    for first in (tmp_path / "venv" / "bin", shim.parent):
+        monkeypatch.setenv("PATH", f"{first}{os.pathsep}{os.environ['PATH']}")
+        assert find_interpreter(version) == real, first
