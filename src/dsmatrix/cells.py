@@ -106,6 +106,14 @@ class Selection:
     runtime: Mapping[str, tuple[str, ...]]
     excluded: tuple[Excluded, ...] = ()
 
+    def planned_records(self) -> list[dict[str, object]]:
+        """The cells as a run's summary records its plan (a merged report checks each one finished somewhere)."""
+        return [{**c.as_dict(), "label": c.label} for c in self.cells]
+
+    def excluded_records(self) -> list[dict[str, object]]:
+        """The exclusions as a run's summary records them: the cell, the rule's id and its reason."""
+        return [{"cell": {**e.cell.as_dict(), "label": e.cell.label}, "rule": e.rule.id, "reason": e.rule.reason} for e in self.excluded]
+
 
 Wanted = Sequence["str | GitSource"]
 

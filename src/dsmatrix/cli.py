@@ -32,7 +32,7 @@ from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, Matrix, load_matrix
 from dsmatrix.matrix_run import INTERRUPTED_EXIT, MatrixOptions, interrupts_raise, plan_run, run_matrix
 from dsmatrix.parallel import SIDE_BY_SIDE
 from dsmatrix.patches import PatchSet, load_patch_set, pr_change
-from dsmatrix.report import load_report, passes, write_report
+from dsmatrix.report import TierPlan, load_report, passes, write_report
 from dsmatrix.sources import GitSource, changed_diff, is_git, resolve, split_spec
 
 
@@ -117,6 +117,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "stores", nargs="*", type=Path, default=[Path("results")], help="results stores (their latest run) or run folders; default: results"
     )
     report.add_argument("--output", type=Path, default=Path("reports"))
+    report.add_argument(
+        "--tier",
+        help="judge coverage by this tier's plan: every cell it plans must have finished in one of the stores (a tier run in parts)",
+    )
+    report.add_argument("--root", type=Path, help="with --tier: project root whose matrix/matrix.toml plans it")
+    report.add_argument("--matrix", type=Path, help="with --tier: the matrix file (default: the project's, else the bundled one)")
+    report.add_argument("--platform", action="append", metavar="PLATFORM", help="with --tier: platforms it is planned on (default: here)")
     report.add_argument(
         "--require",
         choices=("qualified", "correct"),
@@ -309,13 +316,9 @@ def command_matrix(args: argparse.Namespace) -> int:
             raise
         known = "; ".join(f"{a}: {', '.join(axes[a])}" for a in outside)
         raise type(exc)(f"{exc} (not in {options.matrix.name}, which knows {known})") from None
-    excluded = [
-        {"cell": {**e.cell.as_dict(), "label": e.cell.label}, "rule": e.rule.id, "reason": e.rule.reason} for e in selection.excluded
-    ]
     runtime = {a: list(v) for a, v in selection.runtime.items()}
-    planned = [{**c.as_dict(), "label": c.label} for c in selection.cells]  # a merged report checks that each one finished somewhere
-    meta = {"tier": args.tier, "matrix": str(options.matrix), "patch": options.patch.describe(), "runtime": runtime, "excluded": excluded}
-    meta["planned"] = planned
+    meta = {"tier": args.tier, "matrix": str(options.matrix), "patch": options.patch.describe(), "runtime": runtime}
+    meta.update(excluded=selection.excluded_records(), planned=selection.planned_records())
     outcome = run_matrix(options, plan, _print_result, meta)
     if outcome.interrupted:
         return outcome.exit_code
@@ -362,8 +365,19 @@ def _print_benchmarks(result: dict[str, Any]) -> None:
         print(f"      leak {line['line']}: {line['growth_mb']:+.0f} MB over {len(line['series'])} lifecycles")
 
 
+def _tier_plan(args: argparse.Namespace) -> TierPlan | None:
+    """``report --tier``: the cells and exclusions the tier plans on the matrix, on the chosen platforms."""
+    if not args.tier:
+        if args.matrix or args.root or args.platform:
+            raise ConfigError("--matrix, --root and --platform judge coverage by a tier: give --tier as well")
+        return None
+    matrix = load_matrix((args.matrix or default_matrix(project_root(args.root))).resolve())
+    selection = plan_cells(matrix, matrix.tier(args.tier), {}, _split(args.platform) or [native_platform()])
+    return TierPlan(args.tier, selection.planned_records(), selection.excluded_records())
+
+
 def command_report(args: argparse.Namespace) -> int:
-    target = write_report(args.stores, args.output)
+    target = write_report(args.stores, args.output, _tier_plan(args))
     print((target / "qualification.md").read_text())
     report = load_report(target)
     print(f"dsmatrix: {report['verdict']}: {report['verdict_summary']}; {target}/qualification.{{md,html,json}}")

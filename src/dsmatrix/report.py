@@ -30,8 +30,9 @@ SCHEMA_FILE = Path(__file__).parent / "schemas" / "qualification.schema.json"
 QUALIFIED, NOT_QUALIFIED, CORRECT_ONLY = "QUALIFIED", "NOT QUALIFIED", "CORRECT, THROUGHPUT NOT SHOWN"
 HEADLINES = (QUALIFIED, CORRECT_ONLY, NOT_QUALIFIED)  # best first: --require X passes for X and better
 RULE = (
-    "QUALIFIED when every run completed (for a run that records its plan: each planned cell finished in one of the merged "
-    "runs), every non-excluded cell is `fixed` and every cell's throughput is `no-regression` (by the throughput rule below); "
+    "QUALIFIED when the merged runs cover what was planned (with --tier: every cell the tier plans finished in one of the merged "
+    "runs; otherwise every run completed or, for a run that records its plan, each planned cell finished in one of them), "
+    "every non-excluded cell is `fixed` and every cell's throughput is `no-regression` (by the throughput rule below); "
     "NOT QUALIFIED when a run is incomplete, a cell is not `fixed` or a throughput regression "
     "is decided; otherwise CORRECT, THROUGHPUT NOT SHOWN, naming the cells whose throughput was not measured or not decided"
 )
@@ -47,6 +48,16 @@ class Source:
     cells: list[dict[str, Any]]
 
 
+@dataclass(frozen=True)
+class TierPlan:
+    """What a tier plans on the matrix (``dsmatrix report --tier``), as run summaries record it: a report
+    over runs in parts is judged by whether every planned cell finished in one of them."""
+
+    tier: str
+    cells: list[dict[str, Any]]
+    excluded: list[dict[str, Any]]
+
+
 def load_source(path: Path) -> Source:
     """A run folder, or a results store: its ``latest`` run, or its newest run where ``latest``
     did not survive the trip (a CI artifact keeps no symlinks)."""
@@ -60,12 +71,13 @@ def load_source(path: Path) -> Source:
     return Source(root.resolve(), summary, cells)
 
 
-def merge(sources: Sequence[Source]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def merge(sources: Sequence[Source], plan: TierPlan | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Cells keyed by fingerprint (the newest result of a fingerprint wins), each tagged with the
     run it came from; then one result per cell (its versions, platform, host and runtime axes): the
     newest that finished, so a later run's result supersedes an ``interrupted`` one whatever the suite
     version. Excluded cells are united by cell id. Stores that tested different patches cannot make
-    one report."""
+    one report. With a tier ``plan``, its exclusions are listed too.
+    """
     patches = {s.summary["patch"]["sha256"]: s for s in sources}
     if len(patches) > 1:
         named = ", ".join(f"{s.root} ({sha[:12]})" for sha, s in patches.items())
@@ -86,10 +98,10 @@ def merge(sources: Sequence[Source]) -> tuple[list[dict[str, Any]], list[dict[st
     cells = sorted(by_cell.values(), key=lambda c: (c["cell"].get("platform", "linux/amd64"), c["cell"]["id"]))
     ran = {c["cell"]["id"] for c in cells}
     excluded: dict[str, dict[str, Any]] = {}
-    for source in sources:
-        for entry in source.summary.get("excluded", []):
-            if entry["cell"]["id"] not in ran:
-                excluded.setdefault(entry["cell"]["id"], entry)
+    entries = [e for s in sources for e in s.summary.get("excluded", [])] + (plan.excluded if plan else [])
+    for entry in entries:
+        if entry["cell"]["id"] not in ran:
+            excluded.setdefault(entry["cell"]["id"], entry)
     return cells, sorted(excluded.values(), key=lambda e: e["cell"]["id"])
 
 
@@ -105,10 +117,20 @@ def _precedence(cell: dict[str, Any]) -> tuple[bool, str]:
     return cell["verdict"] != INTERRUPTED, cell.get("finished_at", "")
 
 
-def _unfinished(sources: Sequence[Source], cells: list[dict[str, Any]]) -> list[str]:
-    """Why the runs do not cover what they planned: a run that records its plan is covered when each
-    planned cell finished in some merged run; one that does not (older stores) must be complete."""
-    finished = {c["cell"]["id"] for c in cells if c["verdict"] != INTERRUPTED}
+def _finished(cells: list[dict[str, Any]]) -> set[str]:
+    return {c["cell"]["id"] for c in cells if c["verdict"] != INTERRUPTED}
+
+
+def _unfinished(sources: Sequence[Source], cells: list[dict[str, Any]], plan: TierPlan | None = None) -> list[str]:
+    """Why the runs do not cover what was planned. With a tier ``plan``: each cell it plans finished in
+    some merged run. Otherwise each run: one that records its plan is covered when each planned cell
+    finished in some merged run; one that does not (older stores) must be complete."""
+    finished = _finished(cells)
+    if plan:
+        missing = [p["label"] for p in plan.cells if p["id"] not in finished]
+        if not missing:
+            return []
+        return [f"tier {plan.tier}: {len(missing)} of {len(plan.cells)} planned cell(s) never finished ({', '.join(missing)})"]
     reasons: list[str] = []
     for source in sources:
         summary = source.summary
@@ -267,9 +289,9 @@ def _cell_entry(cell: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def headline(sources: Sequence[Source], cells: list[dict[str, Any]]) -> tuple[str, list[str], str]:
+def headline(sources: Sequence[Source], cells: list[dict[str, Any]], plan: TierPlan | None = None) -> tuple[str, list[str], str]:
     """(headline, reasons, summary) by ``RULE``: what failed, else what was not shown, else qualified."""
-    reasons = _unfinished(sources, cells)
+    reasons = _unfinished(sources, cells, plan)
     if not cells:
         reasons.append("no cell ran")
     reasons += [f"{c['cell']['label']}: {c['verdict']}" for c in cells if c["verdict"] != FIXED]
@@ -310,9 +332,20 @@ def report_id(sources: Sequence[Source]) -> str:
     return ids[0] if len(ids) == 1 else "merged-" + hashlib.sha256(" ".join(ids).encode()).hexdigest()[:12]
 
 
-def build_report(sources: Sequence[Source], cells: list[dict[str, Any]], excluded: list[dict[str, Any]]) -> dict[str, Any]:
-    """The report's content, once, from ``merge(sources)``: what the JSON holds and both templates render."""
-    verdict, reasons, summary = headline(sources, cells)
+def _coverage(cells: list[dict[str, Any]], plan: TierPlan | None) -> dict[str, Any] | None:
+    if not plan:
+        return None
+    finished = _finished(cells)
+    missing = [p["label"] for p in plan.cells if p["id"] not in finished]
+    planned, excluded = len(plan.cells), len(plan.excluded)
+    return {"tier": plan.tier, "planned": planned, "finished": planned - len(missing), "missing": missing, "excluded": excluded}
+
+
+def build_report(
+    sources: Sequence[Source], cells: list[dict[str, Any]], excluded: list[dict[str, Any]], plan: TierPlan | None = None
+) -> dict[str, Any]:
+    """The report's content, once, from ``merge(sources, plan)``: what the JSON holds and both templates render."""
+    verdict, reasons, summary = headline(sources, cells, plan)
     entries = [_cell_entry(c) for c in cells]
     counts: dict[str, int] = {}
     for cell in cells:
@@ -339,6 +372,7 @@ def build_report(sources: Sequence[Source], cells: list[dict[str, Any]], exclude
             }
             for s in sources
         ],
+        "coverage": _coverage(cells, plan),
         "counts": counts,
         "cells": entries,
         "tests": _test_grid(cells),
@@ -391,11 +425,12 @@ def _copy_junit(sources: Sequence[Source], report: dict[str, Any], target: Path)
                 shutil.copy2(found[0], target / name)
 
 
-def write_report(stores: Sequence[Path], output: Path) -> Path:
-    """Write ``<output>/<id>/qualification.{md,html,json}``, the plots and the JUnit files."""
+def write_report(stores: Sequence[Path], output: Path, plan: TierPlan | None = None) -> Path:
+    """Write ``<output>/<id>/qualification.{md,html,json}``, the plots and the JUnit files; with a tier
+    ``plan``, coverage is judged by it."""
     sources = [load_source(p) for p in stores]
-    cells, excluded = merge(sources)
-    report = build_report(sources, cells, excluded)
+    cells, excluded = merge(sources, plan)
+    report = build_report(sources, cells, excluded, plan)
     target = output / report["id"]
     target.mkdir(parents=True, exist_ok=True)
     images = {}

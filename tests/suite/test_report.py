@@ -11,8 +11,9 @@ import jsonschema
 import pytest
 from stores import ARM_FIXED, ERRORED, EXCLUDED, FIXED, NOT_FIXED, PATCH, benchmarks, cell, pair, store
 
+from dsmatrix.cli import main
 from dsmatrix.errors import ConfigError, ResultsError
-from dsmatrix.report import SCHEMA_FILE, load_report, write_report
+from dsmatrix.report import SCHEMA_FILE, TierPlan, load_report, write_report
 
 
 def validate(report: dict) -> None:
@@ -160,6 +161,47 @@ def test_a_planned_cell_that_never_finished_anywhere_is_named(tmp_path: Path) ->
     labels = f"{stopped['cell']['label']}, {never['label']}"
     assert report["verdict"] == "NOT QUALIFIED"
     assert report["verdict_reasons"][0] == f"run {run.id} is interrupted: 2 planned cell(s) never finished ({labels})"
+
+
+def test_a_tier_run_in_parts_is_judged_by_the_tier_plan_not_by_each_part(tmp_path: Path) -> None:
+    """An older part was interrupted and records no plan; a later part ran what it missed. With the
+    tier's plan the merge is covered, its exclusions are listed, and the coverage line says so."""
+    first, second = cell("0.19.2", "fixed", ["ran"]), cell("0.19.8", "interrupted", ["interrupted"])
+    store(tmp_path / "part1", [first, second], status="interrupted")
+    store(tmp_path / "part2", [{**cell("0.19.8", "fixed", ["ran again"]), "finished_at": "2026-12-03T12:00:00Z"}])
+    stores = [tmp_path / "part1", tmp_path / "part2"]
+    assert load_report(write_report(stores, tmp_path / "without"))["verdict"] == "NOT QUALIFIED", "without a plan, part 1 is incomplete"
+    plan = TierPlan("nightly", [first["cell"], second["cell"]], [EXCLUDED])
+    target = write_report(stores, tmp_path / "with", plan)
+    report = load_report(target)
+    validate(report)
+    assert report["verdict"] == "CORRECT, THROUGHPUT NOT SHOWN", report["verdict_reasons"]
+    assert report["coverage"] == {"tier": "nightly", "planned": 2, "finished": 2, "missing": [], "excluded": 1}
+    assert [e["id"] for e in report["excluded"]] == [EXCLUDED["cell"]["id"]], "the tier's exclusions are listed though no part ran them"
+    line = "- Coverage of tier `nightly`: 2 of 2 planned cell(s) finished, 1 excluded by a rule"
+    assert line in (target / "qualification.md").read_text().splitlines()
+    assert 'id="coverage"' in (target / "qualification.html").read_text()
+
+
+def test_a_tier_cell_no_part_finished_is_named(tmp_path: Path) -> None:
+    done = cell("0.19.2", "fixed", ["ran"])
+    never = cell("0.18.9", "fixed", [])["cell"]
+    store(tmp_path / "results", [done])
+    report = load_report(write_report([tmp_path / "results"], tmp_path / "reports", TierPlan("nightly", [done["cell"], never], [])))
+    validate(report)
+    assert report["verdict"] == "NOT QUALIFIED"
+    assert report["verdict_reasons"][0] == f"tier nightly: 1 of 2 planned cell(s) never finished ({never['label']})"
+    assert report["coverage"]["missing"] == [never["label"]]
+
+
+def test_report_tier_plans_from_the_matrix_and_matrix_alone_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store(tmp_path / "results", [FIXED])
+    assert main(["report", str(tmp_path / "results"), "--output", str(tmp_path / "reports"), "--tier", "nightly"]) == 0
+    report = load_report(next((tmp_path / "reports").iterdir()))
+    assert report["coverage"]["planned"] == 31 and report["coverage"]["finished"] == 1, report["coverage"]
+    assert report["verdict_reasons"][0].startswith("tier nightly: 30 of 31 planned cell(s) never finished (")
+    assert main(["report", str(tmp_path / "results"), "--output", str(tmp_path / "reports"), "--matrix", "matrix/matrix.toml"]) == 2
+    assert "give --tier as well" in capsys.readouterr().err
 
 
 def test_two_stores_from_different_runners_merge_into_one_report(tmp_path: Path) -> None:

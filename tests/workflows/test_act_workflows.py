@@ -67,6 +67,7 @@ def test_report_job_leaves_the_qualification_report(matrix_run: ActResult, act: 
     assert report["verdict"] == "CORRECT, THROUGHPUT NOT SHOWN", report["verdict_reasons"]
     assert report["verdict_summary"] == f"correct everywhere; throughput not measured in {len(planned)} cell(s)"
     assert sorted(c["id"] for c in report["cells"]) == sorted(c["id"] for c in planned)
+    assert report["coverage"]["tier"] == TIER and report["coverage"]["finished"] == len(planned), report["coverage"]
     assert "## ⚠️ CORRECT, THROUGHPUT NOT SHOWN" in (folder / "qualification.md").read_text()
     print(f"qualification report of the act-run workflow: {folder}/qualification.{{md,html,json}}")
 
