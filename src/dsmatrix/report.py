@@ -332,7 +332,8 @@ def report_id(sources: Sequence[Source]) -> str:
     return ids[0] if len(ids) == 1 else "merged-" + hashlib.sha256(" ".join(ids).encode()).hexdigest()[:12]
 
 
-def _coverage(cells: list[dict[str, Any]], plan: TierPlan | None) -> dict[str, Any] | None:
+def _tier_coverage(cells: list[dict[str, Any]], plan: TierPlan | None) -> dict[str, Any] | None:
+    """How much of the tier's plan finished (``report --tier``), else None."""
     if not plan:
         return None
     finished = _finished(cells)
@@ -372,7 +373,7 @@ def build_report(
             }
             for s in sources
         ],
-        "coverage": _coverage(cells, plan),
+        "coverage": _tier_coverage(cells, plan),
         "counts": counts,
         "cells": entries,
         "tests": _test_grid(cells),
