@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import shutil
 import signal
 import sys
@@ -278,11 +279,12 @@ def _run_local_cells(
     if not cells:
         return
     selection, disk = options.selection, plan.disk
-    together = builds_side_by_side(options.side_by_side, plan.jobs, largest_world(selection))
+    world = largest_world(selection)
+    together = builds_side_by_side(options.side_by_side, plan.jobs, world)
     how = "side by side" if together else "in turn"
     print(f"dsmatrix: {len(cells)} cell(s) here, {plan.jobs} at a time, each cell's two builds {how}", flush=True)
 
-    def one(cell: Cell) -> dict[str, Any]:
+    def one(cell: Cell, together: bool) -> dict[str, Any]:
         key = torch_set(cell)
         running[cell] = None
         with progress.lane(cell.label), uv_cache_dir(uv_cache(options.cache, key) if disk and disk.pruned(key) else None):
@@ -294,8 +296,12 @@ def _run_local_cells(
 
     batches = by_set(cells) if disk and disk.low_disk else [cells]
     for batch in batches:
-        _run_batch(plan.jobs, batch, one, running, finished)
         key = torch_set(batch[0])
+        # a set with fewer cells than jobs leaves cores idle: its builds run side by side when they fit
+        batch_together = builds_side_by_side(options.side_by_side, min(plan.jobs, len(batch)), world)
+        if batch_together != together:
+            print(f"dsmatrix: {set_name(key)}: {len(batch)} cell(s), each cell's two builds side by side", flush=True)
+        _run_batch(min(plan.jobs, len(batch)), batch, functools.partial(one, together=batch_together), running, finished)
         if disk and disk.pruned(key):
             _prune(options.cache, key, batch)
 

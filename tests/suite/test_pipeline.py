@@ -170,6 +170,32 @@ def test_low_disk_mode_prunes_a_set_before_the_next_sets_cells_start(tmp_path: P
     assert events == [e for key in sets for e in [("start", key)] * sum(torch_set(c) == key for c in todo) + [("prune", key)]]
 
 
+def test_a_set_with_one_cell_runs_its_builds_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Low-disk mode runs the sets one after another: two cells at a time keep two cores busy, but a
+    set of one cell would leave a core idle with its builds in turn."""
+    from dsmatrix import matrix_run, parallel
+    from dsmatrix.cells import Selection
+
+    seen: dict[Cell, bool] = {}
+
+    def cell_work(cell: Cell, *args: object) -> dict[str, object]:
+        seen[cell] = bool(args[-1])  # run_cell's last argument: the builds side by side
+        return {"verdict": "fixed", "timings": {"total_s": 0.1}}
+
+    monkeypatch.setattr(matrix_run, "run_cell", cell_work)
+    monkeypatch.setattr(matrix_run, "_prune", lambda *a: None)
+    monkeypatch.setattr(parallel, "cores", lambda: 2)
+    monkeypatch.setattr(parallel, "available_gib", lambda: 20.0)
+    selection = Selection(tuple(NIGHTLY_LIKE), RUNTIME)
+    options = matrix_run.MatrixOptions("nightly", tmp_path, None, tmp_path / "results", Cache(tmp_path), selection)
+    todo = grouped(NIGHTLY_LIKE)
+    plan = matrix_run.Plan({c: "local" for c in todo}, dict.fromkeys(todo, ""), {}, plan_disk(todo, Cache(tmp_path), "on", 2), 2, todo=todo)
+    matrix_run._run_local_cells(options, plan, None, {}, lambda *a: None)  # type: ignore[arg-type]
+    alone = {c for c in todo if sum(torch_set(o) == torch_set(c) for o in todo) == 1}
+    assert alone == {Cell("3.11", "2.13.0+cpu", "0.19.8")}
+    assert seen == {c: c in alone for c in todo}
+
+
 def test_ranks_get_a_jit_lock_folder_only_where_ccache_compiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With ccache, the engine tests build the comm op in turn (so the second environment is a
     ccache hit); without it there is nothing to share and no lock."""
