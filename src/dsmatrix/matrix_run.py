@@ -222,11 +222,13 @@ def run_matrix(options: MatrixOptions, plan: Plan, say: Printer, meta: Mapping[s
         say(cell, result)
         reporter.cell_finished(wall_s)
 
+    watch = DiskWatch(options.cache.root)
+
     def finished(cell: Cell, result: dict[str, Any], wall_s: float | None) -> None:
+        run.meta["disk"] = _disk_facts(plan, watch)  # the peak so far, kept should the run never end
         run.add_cell(result)
         announce(cell, result, wall_s)
 
-    watch = DiskWatch(options.cache.root)
     with interrupts_raise(), progress.reporting(reporter), watch:
         try:
             for orphan in plan.orphans_stopped:

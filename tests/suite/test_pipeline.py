@@ -196,6 +196,31 @@ def test_a_set_with_one_cell_runs_its_builds_side_by_side(tmp_path: Path, monkey
     assert seen == {c: c in alone for c in todo}
 
 
+def test_a_running_summary_keeps_the_disk_peak_so_far(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that never ends (the machine was reset) still says how much disk it took."""
+    import json
+
+    from dsmatrix import matrix_run
+    from dsmatrix.cells import Selection
+
+    cells, summaries = NIGHTLY_LIKE[:2], []
+
+    def cell_work(cell: Cell, selection: object, patch: object, cache: object, run: matrix_run.Run, *args: object) -> dict[str, object]:
+        summary = run.root / "summary.json"
+        summaries.append(json.loads(summary.read_text()) if summary.is_file() else {})
+        return {"cell": {**cell.as_dict(), "label": cell.label}, "verdict": "fixed", "reasons": [], "timings": {"total_s": 0.1}}
+
+    monkeypatch.setattr(matrix_run, "run_cell", cell_work)
+    patch = load_patch_set(Path(__file__).parents[2] / "patches" / "zero3-release-cache")
+    selection = Selection(tuple(cells), RUNTIME)
+    (tmp_path / "cache").mkdir()
+    options = matrix_run.MatrixOptions("nightly", tmp_path, patch, tmp_path / "results", Cache(tmp_path / "cache"), selection)
+    plan = matrix_run.Plan({c: "local" for c in cells}, dict.fromkeys(cells, ""), {}, jobs=1, todo=list(cells))
+    matrix_run.run_matrix(options, plan, lambda *a: None, {"tier": "nightly"})
+    assert "disk" not in summaries[0] and summaries[1]["status"] == "running"
+    assert summaries[1]["disk"]["peak_above_start_gib"] >= 0, "written with the first finished cell"
+
+
 def test_ranks_get_a_jit_lock_folder_only_where_ccache_compiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With ccache, the engine tests build the comm op in turn (so the second environment is a
     ccache hit); without it there is nothing to share and no lock."""
