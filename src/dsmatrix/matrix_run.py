@@ -332,9 +332,13 @@ def _run_batch(
 
 
 def _prune(cache: Cache, key: TorchSet, cells: list[Cell]) -> None:
-    entries = set_entries(cache, key, cells)
-    size = tree_gib(entries)
-    freed = prune_set(cache, entries)
+    """Remove a finished set's uv cache, builder and environments, as a lane of its own (removing
+    several GiB took minutes here: it heartbeats like a cell's stage)."""
+    with progress.lane(f"low-disk: {set_name(key)}"):
+        progress.stage("removing its uv cache, builder and environments")
+        entries = set_entries(cache, key, cells)
+        size = tree_gib(entries)
+        freed = prune_set(cache, entries)
     print(f"dsmatrix: low-disk: {set_name(key)} finished: its uv cache, builder and environments held {size:.1f} GiB; "
           f"removed ({freed:.1f} GiB freed)", flush=True)  # fmt: skip
 
