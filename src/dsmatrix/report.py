@@ -88,7 +88,7 @@ def merge(sources: Sequence[Source], plan: TierPlan | None = None) -> tuple[list
             tagged = {**cell, "source": {"run_id": source.summary["run_id"], "root": str(source.root)}}
             tagged.setdefault("runtime", source.summary.get("runtime"))  # an interrupted cell's record has only its run's
             key = cell.get("fingerprint") or f"{source.root}:{cell['cell']['id']}"
-            if key not in by_print or cell.get("finished_at", "") > by_print[key].get("finished_at", ""):
+            if key not in by_print or _newness(tagged) > _newness(by_print[key]):
                 by_print[key] = tagged
     by_cell: dict[str, dict[str, Any]] = {}
     for cell in by_print.values():
@@ -112,9 +112,15 @@ def _cell_key(cell: dict[str, Any]) -> str:
     return json.dumps([values, where, cell.get("runtime")], sort_keys=True)
 
 
-def _precedence(cell: dict[str, Any]) -> tuple[bool, str]:
+def _newness(cell: dict[str, Any]) -> tuple[str, str]:
+    """When the result was made, then the run that recorded it: a later run that reused a result
+    (and benchmarked it anew) records it again with the same ``finished_at``, and wins."""
+    return cell.get("finished_at", ""), cell["source"]["run_id"]
+
+
+def _precedence(cell: dict[str, Any]) -> tuple[bool, tuple[str, str]]:
     """Finished before ``interrupted``, then newest."""
-    return cell["verdict"] != INTERRUPTED, cell.get("finished_at", "")
+    return cell["verdict"] != INTERRUPTED, _newness(cell)
 
 
 def _finished(cells: list[dict[str, Any]]) -> set[str]:

@@ -204,6 +204,20 @@ def test_report_tier_plans_from_the_matrix_and_matrix_alone_is_refused(tmp_path:
     assert "give --tier as well" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["parts in order", "parts reversed"])
+def test_a_later_run_that_benchmarked_a_reused_result_wins(tmp_path: Path, reverse: bool) -> None:
+    """`nox -s bench` over a store reuses a finished cell and benchmarks it: the same result (same
+    fingerprint, same finished_at) recorded again, now with its benchmarks."""
+    plain = {key: value for key, value in FIXED.items() if key != "benchmarks"}
+    first = store(tmp_path / "part", [plain])
+    time.sleep(1.1)  # run ids are made to the second
+    store(tmp_path / "bench", [{**FIXED, "reused_from": first.id}])
+    stores = [tmp_path / "part", tmp_path / "bench"]
+    report = load_report(write_report(stores[::-1] if reverse else stores, tmp_path / "reports"))
+    (row,) = report["cells"]
+    assert row["throughput"] is not None and report["verdict"] == "QUALIFIED", report["verdict_reasons"]
+
+
 def test_two_stores_from_different_runners_merge_into_one_report(tmp_path: Path) -> None:
     """What the scheduled workflow's report job does with the artifacts of an x86 and an ARM runner."""
     x86 = store(tmp_path / "artifacts" / "x86", [FIXED], excluded=[EXCLUDED])
