@@ -349,7 +349,8 @@ def _reused(options: MatrixOptions, plan: Plan, cell: Cell, run: Run) -> dict[st
     print(f"{cell.label}: reused the result of run {result['reused_from']} (--fresh re-runs it)", flush=True)
     if options.bench and plan.hosts[cell] == "local":  # measured anew: a benchmark is of its moment
         print(f"{cell.label}: benchmarks ...", flush=True)
-        result = add_benchmarks(result, cell, options.selection, options.patch, options.cache, run, options.bench)
+        with progress.lane(cell.label):  # its stages and heartbeats name the cell
+            result = add_benchmarks(result, cell, options.selection, options.patch, options.cache, run, options.bench)
     return result
 
 

@@ -182,3 +182,24 @@ def test_pruning_a_finished_set_heartbeats(tmp_path: Path, capsys: pytest.Captur
     lines = _stamped_lines(capsys, reporter, lambda: matrix_run._prune(Cache(tmp_path), torch_set(cell), [cell]))
     beats = [text for _, text in lines if text.startswith("low-disk: py3.12-torch2.9.1-linux_amd64: removing its uv cache")]
     assert len(beats) >= 3, lines
+
+
+def test_benchmarking_a_reused_cell_reports_under_the_cells_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`nox -s bench` over finished cells: the heartbeats said `dsmatrix: benchmarks ...`, not which cell."""
+    from dsmatrix import matrix_run
+    from dsmatrix.cells import Cell, Selection
+
+    def benchmarks(result: dict, *args: object) -> dict:
+        progress.stage("stock environment")
+        processes.run([sys.executable, "-c", "import time; time.sleep(1.5)"])
+        return result
+
+    monkeypatch.setattr(matrix_run, "add_benchmarks", benchmarks)
+    cell = Cell("3.12", "2.9.1", "0.19.2")
+    options = matrix_run.MatrixOptions("nightly", tmp_path, None, tmp_path / "results", None, Selection((cell,), {}), bench=object())  # type: ignore[arg-type]
+    plan = matrix_run.Plan({cell: "local"}, {cell: ""}, {cell: {"run_id": "20261203-000000-0000"}})
+    reporter = progress.Reporter(total=1, live=False, heartbeat_s=0.5)
+    lines = _stamped_lines(capsys, reporter, lambda: matrix_run._reused(options, plan, cell, None))  # type: ignore[arg-type]
+    assert any(text.startswith(f"{cell.label}: stock environment ... ") for _, text in lines), lines
