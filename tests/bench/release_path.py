@@ -8,6 +8,7 @@ backward: the layer is active and owns recompute parameters. Otherwise the forwa
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -21,11 +22,17 @@ def release_every_layer(engine: Any) -> tuple[Callable[[], None], bool]:
     active = getattr(coordinator, "_PartitionedParameterCoordinator__active_backward_submodules", None)
     backward = isinstance(active, dict) and all(hasattr(m, "ds_recompute_parameters") for m in layers)
 
+    # older DeepSpeed (0.14.x) releases without a ``forward`` argument: call it as its hooks do
+    takes_forward = "forward" in inspect.signature(coordinator.release_sub_module).parameters
+
     def release_all() -> None:
         for layer in layers:
             if backward:
                 active[layer.ds_id] = layer
                 layer.ds_recompute_parameters = set(layer.parameters())
-            coordinator.release_sub_module(layer, forward=not backward)
+            if takes_forward:
+                coordinator.release_sub_module(layer, forward=not backward)
+            else:
+                coordinator.release_sub_module(layer)
 
     return release_all, backward
