@@ -101,6 +101,17 @@ class Gate:
 GATE = Gate()
 
 
+@contextlib.contextmanager
+def alone(what: str) -> Iterator[None]:
+    """Enter stage ``what (alone)`` holding ``GATE`` exclusive; while it waits for the gate, the lane says so
+    (a cell waiting for another cell's benchmarks went on showing "patched engine tests ... JIT
+    build" with its clock running, for minutes)."""
+    progress.stage(f"{what}: waiting to run alone (other cells' work or benchmarks first)")
+    with GATE.exclusive():
+        progress.stage(f"{what} (alone)")
+        yield
+
+
 def each(names: Sequence[str], work: Callable[[str], T], together: bool, lane_of: Callable[[str], str]) -> dict[str, T]:
     """``work(name)`` for every name, in turn or (``together``) each in a thread and progress lane of
     its own; the first failure is raised once all have stopped."""

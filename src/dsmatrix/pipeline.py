@@ -266,8 +266,7 @@ def add_benchmarks(result: dict[str, Any], cell: Cell, selection: Selection, pat
             builds = prepare_builds(cell, patch, cache)
     except FatalError as exc:
         return {**result, "benchmarks": {"verdict": "error", "reason": str(exc)}}
-    with parallel.GATE.exclusive():
-        progress.stage("benchmarks")
+    with parallel.alone("benchmarks"):
         return {**result, "benchmarks": run_benchmarks(builds, selection.runtime, run, cell, bench, describe()["emulated"], cache)}
 
 
@@ -425,8 +424,7 @@ def run_cell(
             tests_s = time.monotonic() - started - setup_s
             result.update(verdict=verdict.verdict, reasons=[*verdict.reasons, summary_line(result["change_coverage"])])
         if bench is not None:
-            with parallel.GATE.exclusive():
-                progress.stage("benchmarks (alone)")
+            with parallel.alone("benchmarks"):
                 result["benchmarks"] = run_benchmarks(builds, selection.runtime, run, cell, bench, result["host"]["emulated"], cache)
             tests_s = time.monotonic() - started - setup_s - result["benchmarks"].get("duration_s", 0.0)
     except FatalError as exc:  # CellError, or e.g. an interpreter that vanished since the preflight

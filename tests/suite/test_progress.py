@@ -203,3 +203,31 @@ def test_benchmarking_a_reused_cell_reports_under_the_cells_name(
     reporter = progress.Reporter(total=1, live=False, heartbeat_s=0.5)
     lines = _stamped_lines(capsys, reporter, lambda: matrix_run._reused(options, plan, cell, None))  # type: ignore[arg-type]
     assert any(text.startswith(f"{cell.label}: stock environment ... ") for _, text in lines), lines
+
+
+def test_a_cell_waiting_to_benchmark_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """A cell whose benchmarks waited 7 minutes for another cell's went on showing its last stage
+    ("patched engine tests ... JIT build of deepspeed_shm_comm") with the clock running."""
+    reporter = progress.Reporter(total=2, jobs=2, live=False, heartbeat_s=0.5)
+    holding = threading.Event()
+
+    def other_cell() -> None:
+        with progress.lane("cell-a"), parallel.GATE.shared():
+            holding.set()
+            processes.run([sys.executable, "-c", "import time; time.sleep(2)"])
+
+    def work() -> None:
+        other = threading.Thread(target=other_cell)
+        other.start()
+        holding.wait(5)
+        with progress.lane("cell-b"):
+            progress.stage("patched engine tests", lambda: "JIT build of deepspeed_shm_comm")
+            with parallel.alone("benchmarks"):
+                pass
+        other.join(5)
+
+    lines = _stamped_lines(capsys, reporter, work)
+    waiting = [text for _, text in lines if text.startswith("cell-b: benchmarks: waiting to run alone")]
+    assert len(waiting) >= 2, lines  # the announcement and at least one heartbeat
+    assert not [text for t, text in lines if text.startswith("cell-b: patched engine tests ...") and t > 0.6], lines
+    assert any(text.startswith("cell-b: benchmarks (alone) ... (benchmarks: waiting to run alone") for _, text in lines), lines
