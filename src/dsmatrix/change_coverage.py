@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,9 +79,14 @@ def measure(data_dir: Path, root: Path, hunks: Sequence[Hunk], other: Sequence[s
     import coverage  # the suite's own dependency; imported here, as only cells with a change need it
 
     cov = coverage.Coverage(data_file=str(data_dir / ".coverage"), config_file=False)
-    files = [str(p) for p in data_dir.glob(".coverage.*")]
-    if files:
-        cov.combine(files, keep=True)
+    files = sorted(str(p) for p in data_dir.glob(".coverage.*"))
+    unreadable = []
+    for file in files:  # one at a time: a file coverage.py cannot read is named, not printed as a raw warning
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cov.combine([file], keep=True)
+        if caught:  # coverage.py warns only when it cannot read the file
+            unreadable.append(Path(file).name)
     data = cov.get_data()
     result_hunks, missing = [], []
     counted = executed = 0
@@ -111,7 +117,8 @@ def measure(data_dir: Path, root: Path, hunks: Sequence[Hunk], other: Sequence[s
         "missing": missing,
         "hunks": result_hunks,
         "not_measured": sorted(set(other)),
-        "processes": len(files),
+        "processes": len(files) - len(unreadable),
+        "unreadable_data_files": unreadable,
     }
 
 
@@ -126,6 +133,9 @@ def summary_line(measured: Mapping[str, object]) -> str:
     missing = measured.get("missing") or []
     if missing:
         line += "; never executed: " + ", ".join(f"{m['file'].rsplit('/', 1)[-1]}:{m['line']}" for m in missing)  # type: ignore[index]
+    unreadable = measured.get("unreadable_data_files") or []
+    if unreadable:
+        line += f"; {len(unreadable)} process data file(s) unreadable, not counted"  # type: ignore[arg-type]
     return line
 
 

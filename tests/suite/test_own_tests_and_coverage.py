@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dsmatrix.change_coverage import changed_hunks, summary_line
+from dsmatrix.change_coverage import Hunk, changed_hunks, measure, summary_line
 from dsmatrix.deepspeed_tests import compare, copy_tests, load_selection, set_names
 from dsmatrix.errors import ConfigError
 from dsmatrix.run import TestOutcome
@@ -69,6 +69,32 @@ def test_changed_lines_are_the_added_lines_of_deepspeeds_python_files() -> None:
     assert other == ["tests/unit/test_new.py", "csrc/op.cpp"]
     assert summary_line({"executed_lines": 1, "changed_lines": 2, "missing": [{"file": hunk.file, "line": 12}]}) == (
         "changed lines executed 1/2; never executed: partitioned_param_coordinator.py:12"
+    )
+
+
+def test_an_unreadable_process_data_file_is_named_and_the_rest_counted(tmp_path: Path) -> None:
+    """A rank killed while writing its data leaves a file coverage.py cannot read: named, not a raw warning."""
+    import warnings
+
+    from coverage import CoverageData
+
+    module = tmp_path / "site" / "deepspeed" / "changed.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("a = 1\nb = 2\nc = 3\n")
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    good = CoverageData(basename=str(data_dir / ".coverage.vm.pid1.good"))
+    good.add_lines({str(module): [1, 2]})
+    good.write()
+    (data_dir / ".coverage.vm.pid2.torn").write_bytes(b"")  # what a process ended mid-write leaves
+    hunk = Hunk("deepspeed/changed.py", "@@ -1,1 +1,3 @@", (2, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no raw CoverageWarning reaches the run's output
+        measured = measure(data_dir, tmp_path / "site", [hunk], [])
+    assert measured["unreadable_data_files"] == [".coverage.vm.pid2.torn"] and measured["processes"] == 1
+    assert (measured["executed_lines"], measured["changed_lines"]) == (1, 2)
+    assert summary_line(measured) == (
+        "changed lines executed 1/2; never executed: changed.py:3; 1 process data file(s) unreadable, not counted"
     )
 
 
