@@ -25,7 +25,7 @@ from dsmatrix.deepspeed_tests import load_selection
 from dsmatrix.disk import LOW_DISK
 from dsmatrix.errors import ConfigError, FatalError, InterpreterNotFound, UnknownVersionError
 from dsmatrix.hosts import native_platform
-from dsmatrix.images import IMAGES, build_image, docker_engine, ensure_emulation, image_for, inside_view
+from dsmatrix.images import IMAGES, build_images, docker_engine, image_for, inside_view
 from dsmatrix.instructions import DEFAULT_MARGIN as DEFAULT_INSTRUCTIONS_MARGIN
 from dsmatrix.locations import default_matrix, default_patch, project_root
 from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, Matrix, load_matrix
@@ -391,12 +391,10 @@ def command_images(args: argparse.Namespace) -> int:
     platforms = _split(args.platform) or list(IMAGES)
     specs = [image_for(p) for p in platforms]
     cache = Cache(args.cache_dir.resolve())
-    with docker_engine(cache.docker) as client:
-        built = []
-        for spec in specs:
-            ensure_emulation(spec.platform)
-            facts = build_image(client, spec, args.base_image, cache.images())
-            built.append((facts, inside_view(client, spec)))
+    # plain heartbeat lines: a debootstrap or a docker build step says nothing for minutes
+    with progress.reporting(progress.Reporter(total=0, live=False)), docker_engine(cache.docker) as client:
+        images = build_images(client, [spec.platform for spec in specs], args.base_image, cache.images())
+        built = [(images[spec.platform], inside_view(client, spec)) for spec in specs]
     for facts, inside in built:
         print(f"{facts['tag']}: {facts['platform']} {facts['id'][:19]} (FROM {facts['base']})")
         emulated = f"emulated ({inside['emulator']})" if inside["emulated"] else "native"

@@ -49,7 +49,7 @@ from dsmatrix.disk import (
 from dsmatrix.environments import uv_cache_dir
 from dsmatrix.errors import DiskSpaceError
 from dsmatrix.hosts import native_platform
-from dsmatrix.images import build_image, docker_engine, ensure_emulation, image_for, run_in_image
+from dsmatrix.images import build_images, docker_engine, image_for, run_in_image
 from dsmatrix.locations import image_source_tree
 from dsmatrix.parallel import auto_jobs, builds_side_by_side
 from dsmatrix.patches import PatchSet
@@ -358,10 +358,8 @@ def _reused(options: MatrixOptions, plan: Plan, cell: Cell, run: Run) -> dict[st
 def _images_ready(platforms: list[str], options: MatrixOptions) -> Iterator[Any]:
     """A docker client with an up-to-date image for every platform in ``platforms``."""
     with docker_engine(options.cache.docker) as client:
-        for platform in platforms:
-            ensure_emulation(platform)
-            # always built: docker's layer cache makes an unchanged image seconds, a changed Dockerfile is never stale
-            build_image(client, image_for(platform), options.base_image, options.cache.images())
+        # always built: docker's layer cache makes an unchanged image seconds, a changed Dockerfile is never stale
+        build_images(client, platforms, options.base_image, options.cache.images())
         yield client
 
 

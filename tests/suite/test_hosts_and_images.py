@@ -197,3 +197,33 @@ def test_an_engine_the_suite_did_not_start_is_never_stopped(tmp_path: Path, monk
     with images.docker_engine(tmp_path):
         pass
     assert not list((tmp_path / "users").glob("*.json"))
+
+
+def test_images_are_built_side_by_side_after_apt_installs_in_turn(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Both platforms' builds overlap in time; qemu and debootstrap (apt-get, one caller at a time) come first."""
+    import threading
+    import time
+
+    from dsmatrix import images
+
+    events: list[str] = []
+    lock = threading.Lock()
+
+    def log(what: str) -> None:
+        with lock:
+            events.append(what)
+
+    def fake_build(client: object, spec: images.ImageSpec, base: str | None, work: Path) -> dict[str, str]:
+        log(f"start {spec.platform}")
+        time.sleep(0.5)
+        log(f"end {spec.platform}")
+        return {"tag": spec.tag}
+
+    monkeypatch.setattr(images, "ensure_emulation", lambda platform: log(f"emulation {platform}"))
+    monkeypatch.setattr(images, "ensure_debootstrap", lambda spec: log(f"debootstrap {spec.platform}"))
+    monkeypatch.setattr(images, "build_image", fake_build)
+    platforms = ["linux/amd64", "linux/arm64"]
+    built = images.build_images(object(), platforms, None, tmp_path)
+    assert {p: facts["tag"] for p, facts in built.items()} == {p: image_for(p).tag for p in platforms}
+    assert all(e.split()[0] in ("emulation", "debootstrap") for e in events[:4]), events
+    assert [e.split()[0] for e in events[4:6]] == ["start", "start"], f"the second build waited for the first: {events}"
