@@ -44,3 +44,18 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     install = run_outside([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", str(wheel)], cwd=root, timeout=900)
     assert install.returncode == 0, install.stderr
     return venv / "bin"
+
+
+# The real cells in two lanes under ``-n 2 --dist loadgroup`` (``nox -s tests``), each in file order:
+# the git sources, then the images built from nothing (docker, the arm64 base under qemu: mostly one
+# core and the disk); beside them the other cells. Run in turn in a fresh CI run here, the two lanes
+# took about the same (git 330 s + images 728 s; bench, faults and end to end 1077 s).
+LANE_OF_FILE = {"test_images_e2e.py": "lane-1", "test_git_sources_e2e.py": "lane-1"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put every real cell but the panel's (which runs on its own, two at a time) in its lane."""
+    for item in items:
+        if item.get_closest_marker("panel") or not (item.get_closest_marker("e2e") or item.get_closest_marker("faults")):
+            continue
+        item.add_marker(pytest.mark.xdist_group(LANE_OF_FILE.get(item.path.name, "lane-2")))
