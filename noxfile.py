@@ -123,8 +123,8 @@ SLOW = "e2e or faults or docker or panel"  # the markers of tests that run real 
 @nox.session(python=DRIVER_PYTHON)
 def tests(session: nox.Session) -> None:
     """The suite's own tests: the quick ones two at a time, then end-to-end cells on DeepSpeed 0.19.8, runs
-    killed at every stage and two runs sharing one cache (-m faults), in one lane beside the images
-    built from nothing, a cell run in one (-m docker) and the git sources, then the candidate-fix panel
+    killed at every stage and two runs sharing one cache (-m faults), the git sources, both images built
+    from nothing and a cell run in one (-m docker), two files at a time, then the candidate-fix panel
     (two candidates at a time; each builds and tests its own patched DeepSpeed). With arguments,
     one pytest run with exactly those arguments."""
     session.install("-e", ".[test]")
@@ -132,9 +132,9 @@ def tests(session: nox.Session) -> None:
         session.run("pytest", *session.posargs)
         return
     session.run("pytest", "-m", f"not ({SLOW})", "-n", "2")  # the quick tests, two at a time
-    # real cells in two lanes (tests/suite/conftest.py): the images (mostly one core: qemu, the disk)
-    # and the git sources, beside the other cells
-    session.run("pytest", "-m", f"({SLOW}) and not panel", "-n", "2", "--dist", "loadgroup")
+    # real cells two files at a time, the images' first (tests/suite/conftest.py): mostly one core
+    # (qemu, the disk) while the other worker takes the CPU-bound cells
+    session.run("pytest", "-m", f"({SLOW}) and not panel", "-n", "2", "--dist", "loadfile")
     session.run("pytest", "-m", "panel", "-n", "2")
 
 

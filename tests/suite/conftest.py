@@ -46,21 +46,14 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return venv / "bin"
 
 
-# The real cells in two lanes under ``-n 2 --dist loadgroup`` (``nox -s tests``), each in order:
-# the images built from nothing (docker, the arm64 base under qemu: mostly one core and the disk),
-# then the git sources; beside them the other cells. Run in turn in a fresh CI run here, the two
-# lanes took about the same (images 728 s + git 330 s; bench, faults and end to end 1077 s). The
-# images go first: with the git sources first, both lanes were CPU-bound together and the images
-# then ran alone with a core idle.
-LANE_OF_FILE = {"test_images_e2e.py": "lane-1", "test_git_sources_e2e.py": "lane-1"}
+# ``nox -s tests`` runs the real cells two at a time, a file per worker (``-n 2 --dist loadfile``:
+# a file's tests keep their order and their module fixtures). The images' file goes first: it is
+# the longest (the arm64 base built under qemu, mostly one core and the disk), so the other worker
+# takes the CPU-bound cells beside it. In turn, in a fresh CI run here, the images took 728 s and
+# the other files 1411 s.
 FIRST = "test_images_e2e.py"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Put every real cell but the panel's (which runs on its own, two at a time) in its lane; the
-    images' tests first."""
-    items.sort(key=lambda item: item.path.name != FIRST)  # stable: the rest keep their order
-    for item in items:
-        if item.get_closest_marker("panel") or not (item.get_closest_marker("e2e") or item.get_closest_marker("faults")):
-            continue
-        item.add_marker(pytest.mark.xdist_group(LANE_OF_FILE.get(item.path.name, "lane-2")))
+    """The images' tests first; the rest keep their order (a stable sort)."""
+    items.sort(key=lambda item: item.path.name != FIRST)
