@@ -334,12 +334,20 @@ def ensure_debootstrap(spec: ImageSpec) -> None:
         install_debian_packages(["debootstrap"], f"building {spec.local_base} needs debootstrap", ImageBuildError)
 
 
-def build_local_base(client: Any, spec: ImageSpec, work: Path) -> str:
-    """``dsmatrix/base:bookworm-<arch>`` from Debian packages, labelled with its architecture."""
+def has_local_base(client: Any, spec: ImageSpec) -> bool:
+    """Whether ``dsmatrix/base:bookworm-<arch>`` is already in the engine."""
     import docker
 
-    with contextlib.suppress(docker.errors.ImageNotFound):
+    try:
         client.images.get(spec.local_base)
+    except docker.errors.ImageNotFound:
+        return False
+    return True
+
+
+def build_local_base(client: Any, spec: ImageSpec, work: Path) -> str:
+    """``dsmatrix/base:bookworm-<arch>`` from Debian packages, labelled with its architecture."""
+    if has_local_base(client, spec):
         return spec.local_base
     ensure_debootstrap(spec)
     work.mkdir(parents=True, exist_ok=True)
@@ -477,10 +485,11 @@ def build_images(client: Any, platforms: list[str], base: str | None, work: Path
     """Each platform's image (``build_image``), side by side: the arm64 base's second stage runs
     under qemu on about one core while the x86_64 base and image take the other (in turn they took
     540 s of a fresh CI run here). What apt-get installs (qemu, debootstrap) is installed first,
-    one platform at a time. Returns each platform's image facts."""
+    one platform at a time (debootstrap only where a base is to be built). Returns each platform's
+    image facts."""
     for platform in platforms:
         ensure_emulation(platform)
-        if not base:
+        if not base and not has_local_base(client, image_for(platform)):
             ensure_debootstrap(image_for(platform))
     return parallel.each(
         platforms,

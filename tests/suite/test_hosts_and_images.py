@@ -222,8 +222,14 @@ def test_images_are_built_side_by_side_after_apt_installs_in_turn(monkeypatch: p
     monkeypatch.setattr(images, "ensure_emulation", lambda platform: log(f"emulation {platform}"))
     monkeypatch.setattr(images, "ensure_debootstrap", lambda spec: log(f"debootstrap {spec.platform}"))
     monkeypatch.setattr(images, "build_image", fake_build)
+    monkeypatch.setattr(images, "has_local_base", lambda client, spec: False)
     platforms = ["linux/amd64", "linux/arm64"]
     built = images.build_images(object(), platforms, None, tmp_path)
     assert {p: facts["tag"] for p, facts in built.items()} == {p: image_for(p).tag for p in platforms}
     assert all(e.split()[0] in ("emulation", "debootstrap") for e in events[:4]), events
     assert [e.split()[0] for e in events[4:6]] == ["start", "start"], f"the second build waited for the first: {events}"
+
+    events.clear()  # a base already built: no debootstrap to install (a machine without apt-get still builds)
+    monkeypatch.setattr(images, "has_local_base", lambda client, spec: spec.platform == "linux/arm64")
+    images.build_images(object(), platforms, None, tmp_path)
+    assert [e for e in events if e.startswith("debootstrap")] == ["debootstrap linux/amd64"], events
