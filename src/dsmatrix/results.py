@@ -125,9 +125,9 @@ class Run:
         )
 
 
-def start_run(results: Path, meta: dict[str, Any]) -> Run:
-    """Create ``results/<run-id>/`` and point ``results/latest`` at it."""
-    run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(2)
+def start_run(results: Path, meta: dict[str, Any], now: Callable[[], float] = time.time) -> Run:
+    """Create ``results/<run-id>/`` (the UTC second ``now()`` gives, and a random tag) and point ``results/latest`` at it."""
+    run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now())) + "-" + secrets.token_hex(2)
     root = results / run_id
     root.mkdir(parents=True)
     run = Run(root, {**meta, "host": describe()})

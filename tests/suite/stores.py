@@ -119,14 +119,21 @@ EXCLUDED = {
 
 
 def store(
-    root: Path, cells: list[dict], status: str = "complete", patch: dict = PATCH, excluded: list | None = None, planned: list | None = None
+    root: Path,
+    cells: list[dict],
+    status: str = "complete",
+    patch: dict = PATCH,
+    excluded: list | None = None,
+    planned: list | None = None,
+    at: float | None = None,
 ) -> Run:
     """A results store at ``root`` with one run holding ``cells`` (and their JUnit files); ``planned``
-    (cell dicts) is recorded as the run's plan when given, as a matrix run records it."""
+    (cell dicts) is recorded as the run's plan when given, as a matrix run records it; ``at``
+    (seconds since the epoch) is the moment the run starts, its id's time, when given."""
     meta = {"tier": "default", "patch": patch, "runtime": {"dtype": ["fp32"]}, "excluded": excluded or []}
     if planned is not None:
         meta["planned"] = planned
-    run = start_run(root, meta)
+    run = start_run(root, meta) if at is None else start_run(root, meta, now=lambda: at)
     for result in cells:
         for build in result.get("builds", {}).values():
             for name in build.get("junit", []):

@@ -1,5 +1,6 @@
-"""The benchmarks end to end on a real cell: a fix made about 1% slower per step is a throughput
-regression, caught by executed instructions, and it fails the run (exit 1, summary line)."""
+"""The benchmarks end to end on a real cell (acceptance session): the bundled fix is decided
+``no-regression``; a fix made about 1% slower per step is a throughput regression, caught by
+executed instructions, and it fails the run (exit 1, summary line)."""
 
 from __future__ import annotations
 
@@ -8,23 +9,43 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, require, run_cli
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind counts the instructions")]
+pytestmark = pytest.mark.e2e
 CELL = "py3.11-torch2.13.0+cpu-ds0.19.8"
+# fp32 with checkpointing only, one short step-time round: the instruction count decides
+ARGS = ("--bench", "--deepspeed", "0.19.8", "--dtype", "fp32", "--checkpointing", "on")
+BUDGET = ("--max-rounds", "3", "--bench-minutes", "0.1", "--leak-lifecycles", "1")
+
+
+@pytest.fixture(autouse=True)
+def valgrind() -> None:
+    require(shutil.which("valgrind"), "valgrind, which counts the instructions (Debian: apt-get install valgrind)")
+
+
+def benchmarks(results: Path) -> dict:
+    return json.loads((results / "latest" / "cells" / f"{CELL}.json").read_text())["benchmarks"]
+
+
+def test_the_bundled_fix_is_no_regression(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    proc = run_cli("matrix", *ARGS, *BUDGET, "--results", str(results), cwd=tmp_path)
+    print(proc.stdout[-4000:], proc.stderr[-2000:])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert "1/1 cell(s) fixed; throughput: 1 no-regression" in proc.stdout
+    bench = benchmarks(results)
+    assert (bench["verdict"], bench["decided_by"]) == ("no-regression", "instructions"), bench
+    assert bench["instructions"]["calibration"] == "pass"
 
 
 def test_a_fix_one_percent_slower_is_a_regression_that_fails_the_run(tmp_path: Path) -> None:
-    """fp32 with checkpointing only, one short step-time round (the instruction count decides)."""
     results = tmp_path / "results"
     patch = REPO / "tests" / "fixtures" / "patches" / "slower-by-one-percent.diff"
-    args = ("--bench", "--deepspeed", "0.19.8", "--dtype", "fp32", "--checkpointing", "on", "--patch", str(patch))
-    budget = ("--max-rounds", "3", "--bench-minutes", "0.1", "--leak-lifecycles", "1")
-    proc = run_cli("matrix", *args, *budget, "--results", str(results), cwd=tmp_path)
+    proc = run_cli("matrix", *ARGS, "--patch", str(patch), *BUDGET, "--results", str(results), cwd=tmp_path)
     print(proc.stdout[-4000:], proc.stderr[-2000:])
     assert proc.returncode == 1, "a decided regression fails the run"
     assert "1/1 cell(s) fixed; throughput: 1 regression" in proc.stdout
-    bench = json.loads((results / "latest" / "cells" / f"{CELL}.json").read_text())["benchmarks"]
+    bench = benchmarks(results)
     assert (bench["verdict"], bench["decided_by"]) == ("regression", "instructions")
     counts = bench["instructions"]
     assert counts["calibration"] == "pass" and counts["verdict"] == "regression"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, run_cli
+from conftest import FIXTURES, as_root, run_cli
 
 COORDINATOR = "deepspeed/runtime/zero/partitioned_param_coordinator.py"
 
@@ -35,21 +35,29 @@ def test_selection_that_only_hits_excluded_cells(tmp_path: Path) -> None:
     check_one_line_error(tmp_path, "--python", "3.12", expect="leaves no cell to run (2 excluded by torch-2.13.0+cpu-is-cp311-only)")
 
 
+@pytest.mark.network
+@pytest.mark.gate
 def test_unknown_torch_version(tmp_path: Path) -> None:
     check_one_line_error(
         tmp_path, "--torch", "9.9.9", "--deepspeed", "0.19.8", expect="torch==9.9.9 for Python 3.11: not installable here", code=4
     )
 
 
+@pytest.mark.network
+@pytest.mark.gate
 def test_unknown_deepspeed_version(tmp_path: Path) -> None:
     check_one_line_error(tmp_path, "--deepspeed", "0.19.99", expect="DeepSpeed 0.19.99: sdist not downloadable", code=4)
     check_one_line_error(tmp_path, "--deepspeed", "0.19.99", expect="(not in matrix.toml, which knows deepspeed: 0.14.5, 0.16.9", code=4)
 
 
+@pytest.mark.network
+@pytest.mark.gate
 def test_deepspeed_version_without_a_diff(tmp_path: Path) -> None:
     check_one_line_error(tmp_path, "--deepspeed", "0.13.1", expect="DeepSpeed 0.13.1: no diff covers it", code=6)
 
 
+@pytest.mark.network
+@pytest.mark.gate
 def test_patch_that_does_not_apply(tmp_path: Path) -> None:
     candidate = FIXTURES / "panel" / "no-clear-on-invalidation" / "deepspeed-0.19.3-and-later.diff"  # has the 0.19.3+ union hunk
     check_one_line_error(
@@ -68,19 +76,19 @@ def test_missing_patch(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "args",
+    ("args", "message"),
     [
-        ["--tier", "weekly"],
-        ["--dtype", "fp16"],
-        ["--bench", "--max-rounds", "2"],
-        ["--bench", "--bench-minutes", "0"],
-        ["--bench", "--instructions-margin", "-0.01"],
-        ["--platform", "linux/s390x"],
-        ["--jobs", "0"],
+        (["--tier", "weekly"], "matrix.toml: no tier 'weekly' (tiers: default, smoke, "),
+        (["--dtype", "fp16"], "--dtype: 'fp16' is not one of fp32, bf16"),
+        (["--bench", "--max-rounds", "2"], "--max-rounds 2: the sequential rule needs at least 3 rounds"),
+        (["--bench", "--bench-minutes", "0"], "--bench-minutes 0.0: must be positive"),
+        (["--bench", "--instructions-margin", "-0.01"], "--instructions-margin -0.01: must be positive"),
+        (["--platform", "linux/s390x"], "--platform: 'linux/s390x' is not a platform (linux/amd64, linux/arm64)"),
+        (["--jobs", "0"], "--jobs 0: must be a whole number of at least 1, or auto"),
     ],
 )
-def test_bad_options(tmp_path: Path, args: list[str]) -> None:
-    check_one_line_error(tmp_path, *args, expect="")
+def test_bad_options(tmp_path: Path, args: list[str], message: str) -> None:
+    check_one_line_error(tmp_path, *args, expect=message)
 
 
 def test_plan_lists_cells_without_running(tmp_path: Path) -> None:
@@ -150,15 +158,14 @@ def test_no_disk(tmp_path: Path) -> None:
     import os
     import subprocess
 
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
+    root = as_root()  # mounting a small tmpfs needs root
     small = tmp_path / "small"
     small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
+    subprocess.run([*root, "mount", "-t", "tmpfs", "-o", f"size=2m,uid={os.geteuid()},gid={os.getegid()}", "tmpfs", str(small)], check=True)
     try:
         check_one_line_error(tmp_path, "--cache-dir", str(small), expect=f"{small}: even one torch set at a time", code=8)
         off = ("--cache-dir", str(small), "--low-disk", "off")
         check_one_line_error(tmp_path, *off, expect=f"{small}: the selected cells need about", code=8)
         assert not (small / "sdists").exists()
     finally:
-        subprocess.run(["umount", str(small)], check=True)
+        subprocess.run([*root, "umount", str(small)], check=True)

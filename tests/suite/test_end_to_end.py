@@ -1,6 +1,6 @@
 """Real cells on DeepSpeed 0.19.8 (and 0.19.2): the bundled fix comes out ``fixed`` with every bug
-seen on stock, run by the tool installed as a wheel outside the checkout; two ranks; an
-interrupted run keeps its finished cells."""
+seen on stock, run by the tool installed as a wheel outside the checkout, and resumed; an
+interrupted run keeps its finished cells (both in the landing gate); two ranks (acceptance)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_outside
+from conftest import run_cli, run_outside, tagged_processes
 
 pytestmark = pytest.mark.e2e
 CELL = "py3.11-torch2.13.0+cpu-ds0.19.8"
@@ -18,6 +18,7 @@ def cell_result(results: Path) -> dict:
     return json.loads((results / "latest" / "cells" / f"{CELL}.json").read_text())
 
 
+@pytest.mark.gate
 def test_bundled_fix_is_fixed_with_every_bug_seen_on_stock(installed: Path, tmp_path: Path) -> None:
     """The installed tool, from a folder outside the checkout: its bundled matrix, fix and engine tests."""
     command = [str(installed / "dsmatrix"), "matrix", "--deepspeed", "0.19.8", "--results", str(tmp_path / "results")]
@@ -69,10 +70,12 @@ def test_two_ranks_see_every_bug(tmp_path: Path) -> None:
     assert len(result["builds"]["stock"]["junit"]) == len(result["builds"]["stock"]["logs"]) == 2
 
 
+@pytest.mark.gate
 def test_interrupted_run_keeps_finished_cells(tmp_path: Path) -> None:
     """SIGTERM a two-cell run (``--jobs 2``: both cells at once) once its first cell is recorded: that
     cell survives `fixed`, the other is recorded `interrupted` with its children stopped, and a
     re-run runs only that one."""
+    import os
     import signal
     import subprocess
     import sys
@@ -80,7 +83,9 @@ def test_interrupted_run_keeps_finished_cells(tmp_path: Path) -> None:
 
     results = tmp_path / "results"
     command = [sys.executable, "-m", "dsmatrix", "matrix", "--dtype", "fp32", "--checkpointing", "off", "--results", str(results)]
-    proc = subprocess.Popen([*command, "--jobs", "2"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tag = {"DSMATRIX_TEST_TAG": f"interrupted-{os.getpid()}-{time.time_ns()}"}  # inherited by every process the run starts
+    env = {**os.environ, **tag}
+    proc = subprocess.Popen([*command, "--jobs", "2"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     summary_path = results / "latest" / "summary.json"
     deadline = time.monotonic() + 1800
     while time.monotonic() < deadline and proc.poll() is None:
@@ -99,7 +104,7 @@ def test_interrupted_run_keeps_finished_cells(tmp_path: Path) -> None:
     assert sorted(verdicts) == ["py3.11-torch2.13.0+cpu-ds0.19.2", "py3.11-torch2.13.0+cpu-ds0.19.8"]
     assert sorted(verdicts.values()) == ["fixed", "interrupted"] and summary["cells"][0]["verdict"] == "fixed"
     assert sorted(p["id"] for p in summary["planned"]) == sorted(verdicts), "the run records its plan for a merged report"
-    assert subprocess.run(["pgrep", "-f", str(results)], capture_output=True).returncode == 1, "a child of the run survived"
+    assert not tagged_processes(tag), f"a child of the run survived: {tagged_processes(tag)}"
     assert json.loads((results / "latest" / summary["cells"][0]["file"]).read_text())["verdict"] == "fixed"
     assert not [p for p in results.rglob("*") if p.name.endswith(".tmp")]
 

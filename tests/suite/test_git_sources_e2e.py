@@ -11,14 +11,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
-from deepspeed_repo import git, make_repo
+from conftest import require, run_cli
+from deepspeed_repo import git, make_repo, snapshot, version
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def deepspeed_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        snapshot()
+    except FileNotFoundError as missing:
+        require(False, str(missing))
     return make_repo(tmp_path_factory.mktemp("git-source"))
 
 
@@ -39,7 +43,7 @@ def test_patch_mode_on_master(deepspeed_repo: Path, work: Path) -> None:
     proc, cell = matrix(work, "patch-mode", "--deepspeed", f"git:{deepspeed_repo}@{commit}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     assert "1/1 cell(s) fixed" in proc.stdout
-    assert cell["cell"]["id"].endswith(f"-ds0.19.6-git.{commit[:10]}")
+    assert cell["cell"]["id"].endswith(f"-ds{version(deepspeed_repo)}-git.{commit[:10]}")
     own = cell["deepspeed_tests"]
     assert own["stock"]["passed"] > 0 and own["patched"]["passed"] == own["stock"]["passed"], own
     assert not own["regressions"], own["regressions"]

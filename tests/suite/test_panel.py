@@ -5,8 +5,10 @@ Each candidate runs (one cell, fp32 with checkpointing: every bug and every refe
 applies there) on the releases its manifest lists in ``tested_on``: every test that can catch a
 candidate on 0.19.8 beside a correct fix of another shape, and a correct fix on the oldest range
 (0.14.5).
-``DSMATRIX_PANEL=all`` runs every candidate on every release it has a diff for.
-Marked ``panel`` (and ``e2e``): each candidate builds and tests a patched DeepSpeed.
+``DSMATRIX_PANEL=all`` (the acceptance session) runs every candidate on every release it has a diff for.
+Marked ``panel`` (and ``e2e``): each candidate builds and tests a patched DeepSpeed. The landing
+gate runs two of them (``GATE``, marked ``gate``): a correct fix of another shape and an
+incomplete one, on 0.19.8.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from conftest import FIXTURES, run_cli
 
 PANEL = FIXTURES / "panel"
 RELEASES = {"0.19.8": ">=0.19.3", "0.19.2": ">=0.19,<0.19.3", "0.14.5": ">=0.14,<0.16"}
+GATE = {("per-instance-lru", "0.19.8"), ("in-place-update", "0.19.8")}
 
 
 def candidates() -> list:
@@ -30,15 +33,19 @@ def candidates() -> list:
         ranges = {d["versions"] for d in data["diff"]}
         wanted = set(RELEASES) if os.environ.get("DSMATRIX_PANEL") == "all" else set(data["tested_on"])
         for release, versions in RELEASES.items():
-            if versions in ranges and release in wanted:
+            if versions in ranges and (release in wanted or (manifest.parent.name, release) in GATE):
                 marks = [pytest.mark.e2e, pytest.mark.panel]
+                if (manifest.parent.name, release) in GATE:
+                    marks.append(pytest.mark.gate)
                 params.append(pytest.param(manifest.parent, release, data, id=f"{manifest.parent.name}-{release}", marks=marks))
     return params
 
 
 def test_panel_has_both_kinds_where_it_runs() -> None:
-    """Both kinds on 0.19.8, every catching test with a candidate there; a correct fix on 0.14.5."""
+    """Both kinds on 0.19.8, every catching test with a candidate there; a correct fix on 0.14.5; both kinds in the gate."""
     manifests = [tomllib.loads(m.read_text()) for m in PANEL.glob("*/manifest.toml")]
+    gated = {tomllib.loads((PANEL / name / "manifest.toml").read_text())["expected"] for name, _ in GATE}
+    assert gated == {"fixed", "not-fixed"}, "the gate runs one correct and one incomplete candidate"
     kinds = [m["expected"] for m in manifests]
     assert kinds.count("fixed") >= 4 and kinds.count("not-fixed") >= 8
     catching = {m["caught_by"].split("::")[0] for m in manifests if m["caught_by"]}

@@ -5,10 +5,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from dsmatrix.builds import fetch_sdist, unpack_sdist
 from dsmatrix.cache import Cache, default_root
 from dsmatrix.errors import PatchDoesNotApply, PatchError
+from dsmatrix.matrix import load_matrix
 from dsmatrix.patches import apply_diff, load_patch_set
 
 TARGET = "deepspeed/runtime/zero/partitioned_param_coordinator.py"
@@ -94,9 +96,11 @@ def test_malformed_patch_sets(tmp_path: Path) -> None:
         load_patch_set(folder)
 
 
-@pytest.mark.parametrize("version", ["0.14.5", "0.15.4", "0.16.9", "0.17.6", "0.18.9", "0.19.2", "0.19.8"])
+@pytest.mark.network
+@pytest.mark.gate
+@pytest.mark.parametrize("version", load_matrix(REPO / "matrix" / "matrix.toml").axes["deepspeed"])
 def test_bundled_diffs_apply_to_real_releases(repo: Path, version: str) -> None:
-    """The real sdist from the package index, patched exactly as a build patches it."""
+    """The real sdist of every DeepSpeed in the matrix, from the package index, patched exactly as a build patches it."""
     patch = load_patch_set(repo / "patches" / "zero3-release-cache")
     sdist = fetch_sdist(version, Cache(default_root()))
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,19 +8,20 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import require
 from stores import ERRORED, EXCLUDED, FIXED, NOT_FIXED, store
 
 from dsmatrix.report import write_report
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-DRIVER = shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(
-    not (CHROMIUM and DRIVER), reason="no Chromium with chromedriver installed (.ci/run installs Debian's chromium and chromium-driver)"
-)
+# Debian's chromium and chromium-driver (.ci/run installs them), or the Chrome and ChromeDriver of
+# GitHub's hosted runners (CHROMEWEBDRIVER names the driver's folder there).
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+DRIVER = shutil.which("chromedriver") or shutil.which("chromedriver", path=os.environ.get("CHROMEWEBDRIVER", ""))
 
 
 @pytest.fixture
 def browser():  # type: ignore[no-untyped-def]
+    require(CHROMIUM and DRIVER, "Chromium and chromedriver (Debian: apt-get install chromium chromium-driver)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

@@ -133,6 +133,8 @@ def test_plan_of_a_pr(fake_repo: Path, tmp_path: Path) -> None:
     assert "-pr.master." in cell["id"] and "..refs_pull_7_head." in cell["id"]
 
 
+@pytest.mark.network
+@pytest.mark.gate
 def test_a_diff_that_does_not_apply_to_the_commit_is_one_line(fake_repo: Path, tmp_path: Path) -> None:
     args = ["--deepspeed", f"git:{fake_repo}@master", "--cache-dir", str(tmp_path / "cache"), "--results", str(tmp_path / "r")]
     proc = run_cli("matrix", "--tier", "smoke", *args, cwd=tmp_path)

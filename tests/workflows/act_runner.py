@@ -37,11 +37,11 @@ PYTHONS = ("3.10", "3.11", "3.12", "3.13")
 
 def github_actions_dir() -> Path:
     """The local copies of GitHub's own actions (their README says how they were obtained):
-    $DSMATRIX_GITHUB_ACTIONS, else ``shared/github-actions`` beside the checkout or in /work."""
+    $DSMATRIX_GITHUB_ACTIONS, else ``shared/github-actions`` beside the checkout."""
     if "DSMATRIX_GITHUB_ACTIONS" in os.environ:
         candidates = [Path(os.environ["DSMATRIX_GITHUB_ACTIONS"])]
     else:
-        candidates = [REPO.parent / "shared" / "github-actions", Path("/work/shared/github-actions")]
+        candidates = [REPO.parent / "shared" / "github-actions"]
     for folder in candidates:
         if all((folder / name / "action.yml").is_file() for name in PINNED.values()):
             return folder.resolve()
