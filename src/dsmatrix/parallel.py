@@ -66,12 +66,22 @@ class Gate:
         self._shared = 0
         self._exclusive = False
         self._waiting = 0
+        self._queued = 0
+
+    def waiting(self) -> tuple[int, int]:
+        """How many wait to enter: (exclusive, shared)."""
+        with self._cond:
+            return self._waiting, self._queued
 
     @contextlib.contextmanager
     def shared(self) -> Iterator[None]:
         with self._cond:
-            while self._exclusive or self._waiting:
-                self._cond.wait()
+            self._queued += 1
+            try:
+                while self._exclusive or self._waiting:
+                    self._cond.wait()
+            finally:
+                self._queued -= 1
             self._shared += 1
         try:
             yield

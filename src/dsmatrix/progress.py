@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -40,9 +40,9 @@ def seconds(value: float) -> str:
 @dataclass
 class _Lane:
     name: str
+    started: float
+    said: float
     stage: str = "starting"
-    started: float = field(default_factory=time.monotonic)
-    said: float = field(default_factory=time.monotonic)
     probe: Probe | None = None
     task: int | None = None
 
@@ -50,12 +50,19 @@ class _Lane:
 class Reporter:
     """The run's progress: lanes, finished cells, the live panel or the plain lines."""
 
-    def __init__(self, total: int, jobs: int = 1, live: bool | None = None, heartbeat_s: float = HEARTBEAT_S) -> None:
-        self.total, self.jobs, self.heartbeat_s = total, jobs, heartbeat_s
+    def __init__(
+        self,
+        total: int,
+        jobs: int = 1,
+        live: bool | None = None,
+        heartbeat_s: float = HEARTBEAT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.total, self.jobs, self.heartbeat_s, self.clock = total, jobs, heartbeat_s, clock
         self.done = 0
         self.reused = 0
         self.walls: list[float] = []
-        self.started = time.monotonic()
+        self.started = clock()
         self._lanes: dict[str, _Lane] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -96,7 +103,8 @@ class Reporter:
     # -- what work reports -----------------------------------------------------------------
     def open_lane(self, name: str) -> None:
         with self._lock:
-            lane = self._lanes[name] = _Lane(name)
+            now = self.clock()
+            lane = self._lanes[name] = _Lane(name, started=now, said=now)
             if self._progress is not None:
                 lane.task = self._progress.add_task(f"{name}: starting", total=None, eta="")
 
@@ -112,7 +120,7 @@ class Reporter:
             if lane is None:
                 self.open_lane(name)
                 lane = self._lanes[name]
-            now = time.monotonic()
+            now = self.clock()
             took = f" ({lane.stage}: {seconds(now - lane.started)})" if lane.stage != "starting" else ""
             lane.stage, lane.started, lane.said, lane.probe = what, now, now, probe
             self.line(f"{name}: {what} ...{took}")
@@ -151,24 +159,29 @@ class Reporter:
     def summary(self) -> str:
         reused = f" ({self.reused} reused)" if self.reused else ""
         median = f", median {seconds(statistics.median(self.walls))} a cell" if self.walls else ""
-        so_far = seconds(time.monotonic() - self.started)
+        so_far = seconds(self.clock() - self.started)
         return f"{self.done}/{self.total} cell(s) done{reused}, {so_far} so far{median}; {self.eta_text()}"
 
     def _beat(self) -> None:
         while not self._stop.wait(1.0):
-            now = time.monotonic()
-            with self._lock:
-                lanes = list(self._lanes.values())
-            busy = {lane.name.rsplit(" [", 1)[0] for lane in lanes if lane.name.endswith("]")}
-            for lane in lanes:
-                if lane.name in busy and lane.task is None:  # its builds' lanes speak for it
-                    continue
-                detail = _probe(lane.probe)
-                if lane.task is not None and self._progress is not None:
-                    self._progress.update(lane.task, description=f"{lane.name}: {lane.stage}{' · ' + detail if detail else ''}")
-                elif now - lane.said >= self.heartbeat_s:
-                    lane.said = now
-                    self.line(f"{lane.name}: {lane.stage} ... {seconds(now - lane.started)}{', ' + detail if detail else ''}")
+            self.beat()
+
+    def beat(self) -> None:
+        """One heartbeat at ``clock()`` (the reporter's thread calls it every second): the live panel's
+        details, or a line for each lane silent for ``heartbeat_s``."""
+        now = self.clock()
+        with self._lock:
+            lanes = list(self._lanes.values())
+        busy = {lane.name.rsplit(" [", 1)[0] for lane in lanes if lane.name.endswith("]")}
+        for lane in lanes:
+            if lane.name in busy and lane.task is None:  # its builds' lanes speak for it
+                continue
+            detail = _probe(lane.probe)
+            if lane.task is not None and self._progress is not None:
+                self._progress.update(lane.task, description=f"{lane.name}: {lane.stage}{' · ' + detail if detail else ''}")
+            elif now - lane.said >= self.heartbeat_s:
+                lane.said = now
+                self.line(f"{lane.name}: {lane.stage} ... {seconds(now - lane.started)}{', ' + detail if detail else ''}")
 
 
 def _probe(probe: Probe | None) -> str:

@@ -202,12 +202,12 @@ def test_an_engine_the_suite_did_not_start_is_never_stopped(tmp_path: Path, monk
 def test_images_are_built_side_by_side_after_apt_installs_in_turn(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Both platforms' builds overlap in time; qemu and debootstrap (apt-get, one caller at a time) come first."""
     import threading
-    import time
 
     from dsmatrix import images
 
     events: list[str] = []
     lock = threading.Lock()
+    both = threading.Barrier(2, timeout=60)  # each build waits for the other: builds in turn never get past it
 
     def log(what: str) -> None:
         with lock:
@@ -215,7 +215,7 @@ def test_images_are_built_side_by_side_after_apt_installs_in_turn(monkeypatch: p
 
     def fake_build(client: object, spec: images.ImageSpec, base: str | None, work: Path) -> dict[str, str]:
         log(f"start {spec.platform}")
-        time.sleep(0.5)
+        both.wait()
         log(f"end {spec.platform}")
         return {"tag": spec.tag}
 
@@ -230,6 +230,7 @@ def test_images_are_built_side_by_side_after_apt_installs_in_turn(monkeypatch: p
     assert [e.split()[0] for e in events[4:6]] == ["start", "start"], f"the second build waited for the first: {events}"
 
     events.clear()  # a base already built: no debootstrap to install (a machine without apt-get still builds)
+    both.reset()
     monkeypatch.setattr(images, "has_local_base", lambda client, spec: spec.platform == "linux/arm64")
     images.build_images(object(), platforms, None, tmp_path)
     assert [e for e in events if e.startswith("debootstrap")] == ["debootstrap linux/amd64"], events

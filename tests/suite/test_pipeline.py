@@ -146,17 +146,20 @@ def test_stock_results_are_run_once_and_reused(tmp_path: Path, monkeypatch: pyte
 def test_low_disk_mode_prunes_a_set_before_the_next_sets_cells_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two cells at a time, but never across sets: the disk plan counts one set (times jobs) on disk."""
     import threading
-    import time
 
     from dsmatrix import matrix_run
     from dsmatrix.cells import Selection
 
     cache, events, lock = Cache(tmp_path), [], threading.Lock()
+    sibling_done = threading.Event()  # the set's first cell finishes last: it waits for its sibling
 
     def cell_work(cell: Cell, *args: object) -> dict[str, object]:
         with lock:
             events.append(("start", torch_set(cell)))
-        time.sleep(0.05 if cell != NIGHTLY_LIKE[0] else 0.3)  # the set's first cell finishes last
+        if cell == NIGHTLY_LIKE[0]:
+            assert sibling_done.wait(60), "the set's two cells did not run at once"
+        elif cell == NIGHTLY_LIKE[2]:
+            sibling_done.set()
         return {"verdict": "fixed", "timings": {"total_s": 0.1}}
 
     monkeypatch.setattr(matrix_run, "run_cell", cell_work)
