@@ -89,13 +89,24 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
+def shared_folder(request: pytest.FixtureRequest, name: str) -> Path:
+    """A folder every xdist worker of a run, and later runs, see: in pytest's cache (``.pytest_cache``),
+    or with the cache provider off in the run's temporary root."""
+    cache = getattr(request.config, "cache", None)
+    if cache is not None:
+        return cache.mkdir(name)
+    folder = request.getfixturevalue("tmp_path_factory").getbasetemp().parent / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def installed(request: pytest.FixtureRequest) -> Path:
     """The tool as a user installs it: the wheel built from this checkout in a fresh venv; returns its bin folder.
 
     Built once per source hash, under a lock, in pytest's cache folder: both xdist workers and later
     runs of the same code take the same one."""
-    root = request.config.cache.mkdir(f"installed-{source_hash()[:16]}")
+    root = shared_folder(request, f"installed-{source_hash()[:16]}")
     done = root / "complete"
     with FileLock(f"{root}.lock"):
         if not done.is_file():
@@ -111,6 +122,40 @@ def installed(request: pytest.FixtureRequest) -> Path:
             assert install.returncode == 0, install.stderr
             done.touch()
     return root / "venv" / "bin"
+
+
+DEFAULT_CELL = ("3.11", "2.13.0+cpu", "0.19.8")  # the cell the real tests run on (0.19.2 beside it in two-cell runs)
+
+
+def warm(cache_root: Path, versions: tuple[str, ...] = ("0.19.8", "0.19.2")) -> float:
+    """The sdists of ``versions`` and the default cell's builder environment in the cache at
+    ``cache_root``: the cold set-up a real test would otherwise pay inside its own duration. Returns
+    the seconds it took (about none when they are there)."""
+    import time
+
+    from dsmatrix.builds import builder_environment, fetch_sdist
+    from dsmatrix.cache import Cache
+    from dsmatrix.cells import Cell
+
+    started = time.monotonic()
+    cache = Cache(cache_root)
+    for version in versions:
+        fetch_sdist(version, cache)
+    builder_environment(Cell(*DEFAULT_CELL), cache)
+    return time.monotonic() - started
+
+
+@pytest.fixture(scope="session")
+def warm_cache(request: pytest.FixtureRequest) -> Path:
+    """The suite's default cache warmed once for every real test of a run (both xdist workers wait for
+    the one that warms it), so that their durations are their own work."""
+    from dsmatrix.cache import default_root
+
+    root = default_root()
+    with FileLock(str(shared_folder(request, "warm-up")) + ".lock"):
+        took = warm(root)
+    print(f"warm-up: sdists and builder environment in {root.name}/ ready after {took:.0f} s")
+    return root
 
 
 # The real cells run two at a time, a file per worker (``-n 2 --dist loadfile``: a file's tests keep

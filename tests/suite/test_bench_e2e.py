@@ -12,6 +12,13 @@ import pytest
 from conftest import REPO, require, run_cli
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(autouse=True)
+def _warm(warm_cache: Path) -> None:
+    """Cold set-up (sdists, builder) before the test, not inside its duration."""
+
+
 CELL = "py3.11-torch2.13.0+cpu-ds0.19.8"
 # fp32 with checkpointing only, one short step-time round: the instruction count decides
 ARGS = ("--bench", "--deepspeed", "0.19.8", "--dtype", "fp32", "--checkpointing", "on")

@@ -11,6 +11,13 @@ import pytest
 from conftest import run_cli, run_outside, tagged_processes
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(autouse=True)
+def _warm(warm_cache: Path) -> None:
+    """Cold set-up (sdists, builder) before the test, not inside its duration."""
+
+
 CELL = "py3.11-torch2.13.0+cpu-ds0.19.8"
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import faults
 import pytest
-from conftest import REPO
+from conftest import REPO, warm
 
 pytestmark = pytest.mark.faults
 
@@ -95,9 +95,18 @@ def _nox_matrix(results: Path, cache: Path, log: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
 
 
-def test_two_nox_matrix_runs_on_one_cache(tmp_path: Path) -> None:
-    """Both runs build, wait for each other's entries and finish `fixed`; the stock tests ran once."""
+@pytest.fixture
+def seeded_cache(tmp_path: Path) -> Path:
+    """A private cache with the sdists and the builder environment already in it: the two runs
+    start at the wheels, the part they share (the fault walk above needs a cache empty of everything)."""
     cache = tmp_path / "cache"
+    print(f"seeded the private cache in {warm(cache):.0f} s")
+    return cache
+
+
+def test_two_nox_matrix_runs_on_one_cache(seeded_cache: Path, tmp_path: Path) -> None:
+    """Both runs build, wait for each other's entries and finish `fixed`; the stock tests ran once."""
+    cache = seeded_cache
     runs = [(tmp_path / f"results-{i}", tmp_path / f"nox-{i}.log") for i in (1, 2)]
     procs = [_nox_matrix(results, cache, log) for results, log in runs]
     started = time.monotonic()

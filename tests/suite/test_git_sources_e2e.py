@@ -17,6 +17,11 @@ from deepspeed_repo import git, make_repo, snapshot, version
 pytestmark = pytest.mark.e2e
 
 
+@pytest.fixture(autouse=True)
+def _warm(warm_cache: Path) -> None:
+    """Cold set-up (sdists, builder) before the test, not inside its duration."""
+
+
 @pytest.fixture(scope="module")
 def deepspeed_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:

@@ -55,7 +55,7 @@ def test_panel_has_both_kinds_where_it_runs() -> None:
 
 
 @pytest.mark.parametrize(("candidate", "release", "manifest"), candidates())
-def test_candidate_gets_its_expected_verdict(tmp_path: Path, candidate: Path, release: str, manifest: dict) -> None:
+def test_candidate_gets_its_expected_verdict(warm_cache: Path, tmp_path: Path, candidate: Path, release: str, manifest: dict) -> None:
     results = tmp_path / "results"
     args = ("--deepspeed", release, "--dtype", "fp32", "--checkpointing", "on", "--patch", str(candidate), "--results", str(results))
     proc = run_cli("matrix", *args, cwd=tmp_path)
