@@ -1,6 +1,10 @@
-"""Real cells on DeepSpeed 0.19.8 (and 0.19.2): the bundled fix comes out ``fixed`` with every bug
-seen on stock, run by the tool installed as a wheel outside the checkout, and resumed; an
-interrupted run keeps its finished cells (both in the landing gate); two ranks (acceptance)."""
+"""The tool as a user installs it (the ``installed`` fixture: a wheel in a fresh virtual
+environment, its dependencies from the package index), run from a folder outside the checkout, and
+real cells on DeepSpeed 0.19.8 (and 0.19.2): the bundled fix comes out ``fixed`` with every bug seen
+on stock, and resumed; the installed tool plans with its bundled matrix, and a wheel missing that
+file fails in one line; an interrupted run keeps its finished cells (all in the landing gate); two
+ranks (acceptance). One file, so one worker: the missing-matrix test briefly breaks the installed
+wheel the others use."""
 
 from __future__ import annotations
 
@@ -8,7 +12,10 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_outside, tagged_processes
+from conftest import REPO, run_cli, run_outside, tagged_processes
+
+from dsmatrix.hosts import native_platform
+from dsmatrix.matrix import load_matrix
 
 pytestmark = pytest.mark.e2e
 
@@ -61,6 +68,30 @@ def test_bundled_fix_is_fixed_with_every_bug_seen_on_stock(installed: Path, tmp_
     assert all((tmp_path / "results" / "latest" / junit).is_file() for junit in result["builds"]["stock"]["junit"])
     again = run_outside(command, cwd=tmp_path)
     assert again.returncode == 0 and "(1 already done)" in again.stdout and "running ..." not in again.stdout
+
+
+@pytest.mark.gate
+def test_installed_wheel_plans_outside_the_checkout(installed: Path, tmp_path: Path) -> None:
+    plan = run_outside([str(installed / "dsmatrix"), "matrix", "--plan", "--json"], cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    default = load_matrix(REPO / "matrix" / "matrix.toml").tier("default").on(native_platform())
+    assert {c["deepspeed"] for c in json.loads(plan.stdout)["include"]} == set(default.values["deepspeed"])
+
+
+@pytest.mark.gate
+def test_wheel_missing_its_matrix_fails_in_one_line(installed: Path, tmp_path: Path) -> None:
+    """Breaking the wheel's data (what the scheduled workflow's plan step once hit) is one clear line."""
+    site = run_outside([str(installed / "python"), "-c", "import dsmatrix, os; print(os.path.dirname(dsmatrix.__file__))"], cwd=tmp_path)
+    bundled = Path(site.stdout.strip()) / "bundled" / "matrix" / "matrix.toml"
+    assert bundled.is_file()
+    bundled.unlink()  # unlink only: never edit a file an installer may have hardlinked
+    try:
+        proc = run_outside([str(installed / "dsmatrix"), "matrix", "--plan"], cwd=tmp_path)
+    finally:
+        bundled.write_bytes((REPO / "matrix" / "matrix.toml").read_bytes())  # a new file, for the other tests
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "matrix.toml" in line and "not found" in line
 
 
 def test_two_ranks_see_every_bug(tmp_path: Path) -> None:
