@@ -133,6 +133,11 @@ def start(command: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
     return proc
 
 
+def live() -> list[int]:
+    """The children this process started and has not stopped yet (their pids)."""
+    return list(_live)
+
+
 def stop_all() -> None:
     """Stop every group this process started and refuse new ones: what an interrupt does while
     other threads (a cell's two builds, ``--jobs``) wait on children of their own."""

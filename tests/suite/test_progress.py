@@ -190,7 +190,8 @@ def test_an_interrupt_stops_the_children_of_every_thread() -> None:
 
     thread = threading.Thread(target=waits)
     thread.start()
-    _wait_until(lambda: len(tagged_processes(tag)) == 3)  # sh and its two sleeps
+    # sh and its two sleeps, and sh written down as a child (Popen returns before the thread records it)
+    _wait_until(lambda: len(tagged_processes(tag)) == 3 and set(tagged_processes(tag)) & set(processes.live()))
     try:
         processes.stop_all()
         thread.join(30)
