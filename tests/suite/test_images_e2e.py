@@ -63,40 +63,40 @@ def test_both_images_build_and_say_what_they_run_on(docker_here: None, tmp_path:
         assert (_inspect("dsmatrix/x86_64:latest")["Architecture"], _inspect("dsmatrix/rpi5:latest")["Architecture"]) == ("amd64", "arm64")
 
 
-def test_a_cell_runs_inside_the_x86_64_image(docker_here: None, tmp_path: Path) -> None:
+def _fixed_cell_in_image(tmp_path: Path, args: tuple[str, ...], cell: str, tag: str, timeout: float) -> tuple[Path, dict]:
+    """Run ``dsmatrix matrix ARGS`` in an image: it exits 0, its cell ``cell`` is `fixed` in image
+    ``tag``, and the daemon it started is stopped. Returns the run's folder and the cell result."""
     results = tmp_path / "results"
-    args = ("--in-image", "--deepspeed", "0.19.8", "--dtype", "fp32", "--checkpointing", "on")  # all three bugs apply there
-    proc = run_cli("matrix", *args, "--results", str(results), cwd=tmp_path, timeout=3000)
+    proc = run_cli("matrix", *args, "--results", str(results), cwd=tmp_path, timeout=timeout)
     print(proc.stdout[-4000:], proc.stderr[-2000:])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
-    result = json.loads((results / "latest" / "cells" / f"{CELL}.json").read_text())
+    result = json.loads((results / "latest" / "cells" / f"{cell}.json").read_text())
     assert result["verdict"] == "fixed", result["reasons"]
-    assert result["image"]["tag"] == "dsmatrix/x86_64:latest"
+    assert result["image"]["tag"] == tag
+    assert not _started_daemons_alive(proc.stdout), "the daemon the suite started must be stopped"
+    return results / "latest", result
+
+
+def test_a_cell_runs_inside_the_x86_64_image(docker_here: None, tmp_path: Path) -> None:
+    args = ("--in-image", "--deepspeed", "0.19.8", "--dtype", "fp32", "--checkpointing", "on")  # all three bugs apply there
+    run, result = _fixed_cell_in_image(tmp_path, args, CELL, "dsmatrix/x86_64:latest", 3000)
     host = result["host"]
     assert (host["platform"], host["in_container"], host["emulated"]) == ("linux/amd64", True, False)
     assert host["os_image"].startswith("Debian GNU/Linux 12") and host["python"].startswith("3.11.")
-    assert all((results / "latest" / path).is_file() for path in result["builds"]["patched"]["junit"])
-    assert not list((results / "latest").rglob("*.tmp"))
-    assert not _started_daemons_alive(proc.stdout), "the daemon the suite started must be stopped"
+    assert all((run / path).is_file() for path in result["builds"]["patched"]["junit"])
+    assert not list(run.rglob("*.tmp"))
 
 
 def test_a_cell_runs_inside_the_arm64_image(docker_here: None, tmp_path: Path) -> None:
     """The Raspberry Pi 5 image's cell: natively on aarch64, under qemu-user here (fp32 with
     checkpointing: every bug applies there)."""
-    results = tmp_path / "results"
     args = ("--platform", "linux/arm64", "--deepspeed", "0.19.8", "--dtype", "fp32", "--checkpointing", "on")
-    proc = run_cli("matrix", *args, "--results", str(results), cwd=tmp_path, timeout=5400)
-    print(proc.stdout[-4000:], proc.stderr[-2000:])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
-    result = json.loads((results / "latest" / "cells" / f"{ARM64_CELL}.json").read_text())
-    assert result["verdict"] == "fixed", result["reasons"]
-    assert result["image"]["tag"] == "dsmatrix/rpi5:latest"
+    _, result = _fixed_cell_in_image(tmp_path, args, ARM64_CELL, "dsmatrix/rpi5:latest", 5400)
     host = result["host"]
     assert (host["platform"], host["in_container"], host["machine"]) == ("linux/arm64", True, "aarch64"), host
     assert host["emulated"] == (platform.machine() != "aarch64"), host
     failed_on_stock = {o["bug"] for o in result["builds"]["stock"]["tests"].values() if o.get("bug") and o["outcome"] == "failed"}
     assert failed_on_stock == {"lifecycle", "retrace", "recompute"}, failed_on_stock
-    assert not _started_daemons_alive(proc.stdout), "the daemon the suite started must be stopped"
 
 
 @contextlib.contextmanager
