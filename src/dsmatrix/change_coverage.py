@@ -9,11 +9,19 @@ follows pytest-forked children and DeepSpeed's forkserver ranks, ``include`` lim
 the changed files, and dynamic contexts name the test function that ran a line (static context:
 ``engine`` or ``deepspeed``). A changed line that coverage.py does not count as a statement
 (blank, comment, a docstring's continuation) is not counted; every other one must have run.
+
+Branch evidence: coverage.py also measures branches (``branch = true``). Every function the change
+touches (its span, decorators included, overlaps a changed or removed line) has its branches
+listed, counting only what ran in the tests whose behaviour is compared with stock (the reference
+tests): each branch taken there was taken in a scenario where the patched build was shown to do
+exactly what stock does.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import subprocess
 import warnings
 from collections.abc import Mapping, Sequence
@@ -32,6 +40,7 @@ class Hunk:
     header: str  # @@ -a,b +c,d @@ section
     added: tuple[int, ...]  # line numbers in the changed file
     texts: Mapping[int, str] = field(default_factory=dict)
+    span: tuple[int, int] = (0, 0)  # first and last line of the changed file the hunk adds or removes at
 
 
 def changed_hunks(diff: str) -> tuple[list[Hunk], list[str]]:
@@ -44,10 +53,39 @@ def changed_hunks(diff: str) -> tuple[list[Hunk], list[str]]:
             continue
         for hunk in patched_file:
             added = {line.target_line_no: line.value.rstrip("\n") for line in hunk if line.is_added and line.target_line_no}
-            if added:
-                header = f"@@ -{hunk.source_start},{hunk.source_length} +{hunk.target_start},{hunk.target_length} @@ {hunk.section_header}"
-                hunks.append(Hunk(path, header.strip(), tuple(sorted(added)), added))
+            header = f"@@ -{hunk.source_start},{hunk.source_length} +{hunk.target_start},{hunk.target_length} @@ {hunk.section_header}"
+            hunks.append(Hunk(path, header.strip(), tuple(sorted(added)), added, _changed_span(hunk)))
     return hunks, other
+
+
+def _changed_span(hunk: object) -> tuple[int, int]:
+    """Lines of the changed file where the hunk adds lines or removed some (a removal sits at the
+    line that follows it)."""
+    at, changed = hunk.target_start, []  # type: ignore[attr-defined]
+    for line in hunk:  # type: ignore[attr-defined]
+        if line.is_added or line.is_removed:
+            changed.append(line.target_line_no if line.is_added else at)
+        if not line.is_removed:
+            at = (line.target_line_no or at) + 1
+    return (min(changed), max(changed)) if changed else (0, 0)
+
+
+def touched_functions(source: str, spans: Sequence[tuple[int, int]]) -> list[str]:
+    """Qualified names (``Class.method``) of the functions whose lines, decorators included, overlap a span."""
+    found: list[str] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                    if any(a <= (child.end_lineno or first) and first <= b for a, b in spans):
+                        found.append(name)
+                visit(child, name + ".")
+
+    visit(ast.parse(source), "")
+    return found
 
 
 def rcfile(path: Path, data_dir: Path, package_root: Path, files: Sequence[str], context: str) -> Path:
@@ -59,6 +97,7 @@ def rcfile(path: Path, data_dir: Path, package_root: Path, files: Sequence[str],
         "[run]\n"
         f"data_file = {data_dir / '.coverage'}\n"
         "parallel = true\n"
+        "branch = true\n"
         f"context = {context}\n"
         "dynamic_context = test_function\n"
         "patch = fork, _exit\n"
@@ -74,8 +113,9 @@ def package_root(python: Path) -> Path:
     return Path(proc.stdout.strip())
 
 
-def measure(data_dir: Path, root: Path, hunks: Sequence[Hunk], other: Sequence[str]) -> dict[str, object]:
-    """Combine the processes' data and judge every changed line: executed or not, and by which tests."""
+def measure(data_dir: Path, root: Path, hunks: Sequence[Hunk], other: Sequence[str], compared: Sequence[str] = ()) -> dict[str, object]:
+    """Combine the processes' data and judge every changed line: executed or not, and by which tests;
+    and the branches of the touched functions taken in ``compared`` (the reference tests' functions)."""
     import coverage  # the suite's own dependency; imported here, as only cells with a change need it
 
     cov = coverage.Coverage(data_file=str(data_dir / ".coverage"), config_file=False)
@@ -91,6 +131,8 @@ def measure(data_dir: Path, root: Path, hunks: Sequence[Hunk], other: Sequence[s
     result_hunks, missing = [], []
     counted = executed = 0
     for hunk in hunks:
+        if not hunk.added:
+            continue
         path = str(root / hunk.file)
         statements = set(cov.analysis2(path)[1]) if Path(path).is_file() else set()
         ran = set(data.lines(path) or ())
@@ -119,7 +161,48 @@ def measure(data_dir: Path, root: Path, hunks: Sequence[Hunk], other: Sequence[s
         "not_measured": sorted(set(other)),
         "processes": len(files) - len(unreadable),
         "unreadable_data_files": unreadable,
+        "branches": branch_evidence(cov, data_dir, root, hunks, compared),
     }
+
+
+def branch_evidence(cov: object, data_dir: Path, root: Path, hunks: Sequence[Hunk], compared: Sequence[str]) -> dict[str, object]:
+    """Per touched function, its branches taken and not taken in the tests compared with stock."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for hunk in hunks:
+        if hunk.span != (0, 0):
+            spans.setdefault(hunk.file, []).append(hunk.span)
+    contexts = [rf"\|{re.escape(name)}$" for name in sorted(set(compared))]
+    result: dict[str, object] = {"compared_tests": sorted(set(compared)), "functions": [], "taken": 0, "total": 0, "not_taken": []}
+    if not contexts or not spans:
+        return result
+    report = data_dir / "branches.json"
+    paths = {file: root / file for file in spans if (root / file).is_file()}
+    try:
+        cov.json_report(outfile=str(report), include=[str(p) for p in paths.values()], contexts=contexts)  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001 - coverage.py's NoDataError and friends: nothing measured in those tests
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        return result
+    files = {str(Path(name).resolve()): data for name, data in json.loads(report.read_text())["files"].items()}
+    functions, not_taken = [], []
+    for file, path in paths.items():
+        source = path.read_text(errors="replace")
+        lines = source.splitlines()
+        measured = files.get(str(path.resolve()), {}).get("functions", {})
+        for name in touched_functions(source, spans[file]):
+            entry = measured.get(name, {})
+            taken, missing = entry.get("executed_branches", []), entry.get("missing_branches", [])
+            functions.append({"file": file, "function": name, "taken": len(taken), "total": len(taken) + len(missing)})
+            not_taken += [_branch(file, name, lines, a, b) for a, b in missing]
+    result.update(
+        functions=functions, not_taken=not_taken, taken=sum(f["taken"] for f in functions), total=sum(f["total"] for f in functions)
+    )
+    return result
+
+
+def _branch(file: str, function: str, lines: Sequence[str], start: int, end: int) -> dict[str, object]:
+    """One branch not taken: from which line (and its text) to which line, or out of the function."""
+    text = lines[start - 1].strip() if 0 < start <= len(lines) else ""
+    return {"file": file, "function": function, "from": start, "to": end if end > 0 else "exit", "text": text}
 
 
 def _test_name(context: str) -> str:
@@ -133,6 +216,12 @@ def summary_line(measured: Mapping[str, object]) -> str:
     missing = measured.get("missing") or []
     if missing:
         line += "; never executed: " + ", ".join(f"{m['file'].rsplit('/', 1)[-1]}:{m['line']}" for m in missing)  # type: ignore[index]
+    branches = measured.get("branches") or {}
+    if branches.get("compared_tests"):  # type: ignore[union-attr]
+        line += f"; branches of the changed functions taken in tests compared with stock {branches['taken']}/{branches['total']}"  # type: ignore[index]
+        never = branches.get("not_taken") or []  # type: ignore[union-attr]
+        if never:
+            line += " (not taken: " + ", ".join(f"{b['file'].rsplit('/', 1)[-1]}:{b['from']}->{b['to']}" for b in never) + ")"  # type: ignore[index]
     unreadable = measured.get("unreadable_data_files") or []
     if unreadable:
         line += f"; {len(unreadable)} process data file(s) unreadable, not counted"  # type: ignore[arg-type]

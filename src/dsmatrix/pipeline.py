@@ -292,8 +292,11 @@ class ChangeCoverage:
         files = sorted({h.file for h in self.hunks})
         return {"COVERAGE_PROCESS_START": str(rcfile(self.data / f"{context}.coveragerc", self.data, self.root, files, context))}
 
-    def measure(self) -> dict[str, Any]:
-        return measure(self.data, self.root, self.hunks, self.other)
+    def measure(self, compared: Mapping[str, TestOutcome]) -> dict[str, Any]:
+        """Changed lines and branches; branches count only in the test functions of ``compared``
+        (the reference tests, whose patched behaviour was compared with stock's)."""
+        functions = [test.split("::", 1)[-1].split("[", 1)[0] for test, outcome in compared.items() if outcome.reference == "stock"]
+        return measure(self.data, self.root, self.hunks, self.other, functions)
 
 
 def _own_outcomes(junits: Sequence[Path]) -> dict[str, TestOutcome]:
@@ -420,7 +423,7 @@ def run_cell(
             if cell.source and own_tests_set != "none":
                 result["deepspeed_tests"] = own_tests(cell, patch, builds, cache, run, change, reuse_stock, own_tests_set)
                 verdict = with_deepspeed_tests(verdict, result["deepspeed_tests"])
-            result["change_coverage"] = change.measure()
+            result["change_coverage"] = change.measure(runs["patched"].outcomes)
             tests_s = time.monotonic() - started - setup_s
             result.update(verdict=verdict.verdict, reasons=[*verdict.reasons, summary_line(result["change_coverage"])])
         if bench is not None:

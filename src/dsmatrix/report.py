@@ -405,7 +405,7 @@ def _templates() -> tuple[jinja2.Template, jinja2.Template]:
     templates = []
     for name, autoescape in (("qualification.md.j2", False), ("qualification.html.j2", True)):
         env = jinja2.Environment(loader=loader, autoescape=autoescape, **options)
-        env.filters.update(outcome=lambda o: OUTCOME.get(o, o), duration=_duration)
+        env.filters.update(outcome=lambda o: OUTCOME.get(o, o), duration=_duration, basename=lambda p: str(p).rsplit("/", 1)[-1])
         templates.append(env.get_template(name))
     return templates[0], templates[1]
 

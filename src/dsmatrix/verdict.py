@@ -29,6 +29,7 @@ FIXED, NOT_FIXED, UNDETECTED, ERROR, INTERRUPTED = "fixed", "not-fixed", "undete
 VERDICTS = (FIXED, NOT_FIXED, UNDETECTED, ERROR, INTERRUPTED)
 TEST_STATES = ("fixed", "ok", "broken", "differs", "harness", "unseen", "skipped", "absent")
 BEHAVIOUR = "behaviour"  # the property a reference test records its gathers and releases in
+HARNESS = "harness:"  # how an engine test's own checks (of the scenario, not of the bug) begin their message
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,9 @@ def is_behaviour(key: str) -> bool:
 
 
 def behaviour_difference(stock: TestOutcome, patched: TestOutcome) -> str:
-    """Empty when both builds recorded the same behaviour; else where they first differ."""
+    """Empty when both builds recorded the same behaviour; else what differs, as behaviour: the
+    parameters gathered per step, the peak resident numel, and the first differing event (which
+    submodule, which parameter, at which step)."""
     keys = sorted(k for k in set(stock.properties) | set(patched.properties) if is_behaviour(k))
     if not keys:
         return "no behaviour recorded"
@@ -52,16 +55,35 @@ def behaviour_difference(stock: TestOutcome, patched: TestOutcome) -> str:
         ours, theirs = _listing(patched.properties.get(key)), _listing(stock.properties.get(key))
         if ours == theirs:
             continue
-        where = f"{key.rsplit('.', 1)[0]} " if "." in key else ""
-        for index, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+        prefix = key[: -len(BEHAVIOUR)]  # ``rank<N>.`` where ranks were merged
+        where = f"{prefix[:-1]}: " if prefix else ""
+        figures = [
+            f"{label} {_figure(patched, prefix + name)}, stock {_figure(stock, prefix + name)}"
+            for name, label in (("gathers_per_step", "patched gathers per step"), ("peak_numel_per_step", "peak resident numel per step"))
+            if _figure(patched, prefix + name) != _figure(stock, prefix + name)
+        ]
+        for a, b in zip(ours, theirs, strict=False):
             if a != b:
-                return f"{where}{index}: patched {a!r}, stock {b!r}"
-        return f"{where}patched {len(ours)} events, stock {len(theirs)}"
+                first = f"first difference: patched {a!r}, stock {b!r}"
+                break
+        else:
+            first = f"patched {len(ours)} events, stock {len(theirs)}"
+        return where + "; ".join([*figures, first])
     return ""
 
 
+def _figure(outcome: TestOutcome, key: str) -> str:
+    value = outcome.properties.get(key)
+    try:
+        value = json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        pass
+    return " ".join(str(v) for v in value) if isinstance(value, list) else str(value)
+
+
 def _listing(value: object) -> list[str]:
-    """A recorded behaviour as one line per event, ``step N: ...`` (steps as recorded)."""
+    """A recorded behaviour as one line per event, ``step N: ...`` (the recorded steps from 1,
+    each ending with its peak resident numel)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -119,18 +141,18 @@ def cell_verdict(stock: Mapping[str, TestOutcome], patched: Mapping[str, TestOut
     bug_tests = [t for t in applicable if stock[t].bug]
     if not bug_tests:
         return Verdict(ERROR, ("no applicable bug test ran",))
+    references = [t for t in applicable if stock[t].reference == "stock"]
     broken = [t for t in applicable if patched[t].outcome in ("failed", "error")]
-    if broken:
-        return Verdict(NOT_FIXED, tuple(_patched_failure(t, patched[t]) for t in broken))
+    compared = [t for t in references if stock[t].outcome == "passed" and _comparable(patched[t])]
+    differing = [(t, d) for t in compared if (d := behaviour_difference(stock[t], patched[t]))]
+    if broken or differing:  # what the engine does differently comes first, then the tests it broke
+        differs = tuple(f"patched behaves differently from stock where stock is right: {t}: {d}" for t, d in differing)
+        return Verdict(NOT_FIXED, differs + tuple(_patched_failure(t, patched[t]) for t in broken))
     controls = [t for t in applicable if not stock[t].bug and stock[t].outcome != "passed"]
     if controls:
         return Verdict(
             ERROR, tuple(f"stock {stock[t].outcome} a control test (the observers may be blind): {t}: {stock[t].message}" for t in controls)
         )
-    references = [t for t in applicable if stock[t].reference == "stock"]
-    differing = [(t, d) for t in references if (d := behaviour_difference(stock[t], patched[t]))]
-    if differing:
-        return Verdict(NOT_FIXED, tuple(f"patched behaves differently from stock where stock is right: {t}: {d}" for t, d in differing))
     not_evidence = [t for t in bug_tests if stock[t].outcome != "passed" and not is_evidence(stock[t])]
     if not_evidence:
         return Verdict(
@@ -150,8 +172,18 @@ def cell_verdict(stock: Mapping[str, TestOutcome], patched: Mapping[str, TestOut
     return Verdict(FIXED, (summary,))
 
 
+def _comparable(patched: TestOutcome) -> bool:
+    """A reference test whose patched run passed, or failed after recording its behaviour."""
+    return patched.outcome == "passed" or any(is_behaviour(k) for k in patched.properties)
+
+
 def _patched_failure(test: str, outcome: TestOutcome) -> str:
-    kind = "the bug is still seen" if outcome.observed else "not the bug: the patched build broke the test"
+    if outcome.observed:
+        kind = "the bug is still seen"
+    elif HARNESS in outcome.message:
+        kind = "not the bug: a harness check of the test, which stock passes, fails on patched"
+    else:
+        kind = "not the bug: the patched build broke the test"
     return f"patched {outcome.outcome}: {test}: {outcome.message} ({kind})"
 
 

@@ -11,6 +11,7 @@ the coordinator, so any correct fix, however it is written, is judged the same w
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import inspect
 import json
@@ -132,9 +133,14 @@ class StaticNet(torch.nn.Module):
     """A static graph with nested modules, parents holding their own parameters (the root too)
     and a module shared between two places: used again right after one other layer (within the
     reuse distance: kept resident) and then not before backward (released). The blocks run
-    under activation checkpointing when asked."""
+    under activation checkpointing when asked.
 
-    def __init__(self, checkpointed: bool, width: int = WIDTH) -> None:
+    ``far_reuse`` uses ``mix`` once more after the blocks (beyond the reuse distance);
+    ``frozen_inner`` freezes each gated block's inner layer, so the checkpoint recompute hands
+    its parameters to the module whose backward runs (a recompute owner, DeepSpeed >= 0.19.3).
+    """
+
+    def __init__(self, checkpointed: bool, width: int = WIDTH, far_reuse: bool = False, frozen_inner: bool = False) -> None:
         super().__init__()
         self.width = width
         self.stem = torch.nn.Linear(width, width)
@@ -143,6 +149,9 @@ class StaticNet(torch.nn.Module):
         self.head = torch.nn.Linear(width, width)
         self.bias = torch.nn.Parameter(torch.zeros(width))  # the root's own parameter
         self.checkpointed = checkpointed
+        self.far_reuse = far_reuse
+        for block in self.blocks:
+            block.gated.inner.requires_grad_(not frozen_inner)
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -153,6 +162,8 @@ class StaticNet(torch.nn.Module):
         x = self.stem(x) + self.bias
         x = self.stem(torch.relu(self.mix(x)))  # the stem again, one layer later
         x = checkpoint(self._blocks, x, use_reentrant=False) if self.checkpointed else self._blocks(x)
+        if self.far_reuse:
+            x = self.mix(torch.relu(x))  # the mix again, several layers later
         return (self.head(torch.relu(x)) + self.bias).float().pow(2).mean()
 
 
@@ -165,32 +176,121 @@ def new_model(checkpointing: str, width: int = WIDTH, layers: int = LAYERS) -> F
 # Engines
 
 
-def engine_config(dtype: str, reuse_distance: int = REUSE_DISTANCE, prefetch: int = 0) -> dict[str, Any]:
-    """ZeRO-3 settings under which release decisions are visible.
+@dataclass(frozen=True)
+class Settings:
+    """A named ZeRO-3 configuration and the model it runs (``None``: DeepSpeed's default).
 
-    The defaults hide them: the persistence threshold keeps small parameters resident forever
-    and a reuse distance of 1e9 keeps everything resident from forward to backward. Prefetch is
-    off unless asked for, so every gather happens where the trace says.
+    The stock-equivalence test runs each of ``SETTINGS``; its name is recorded with the
+    behaviour, so a difference from stock names the configuration that showed it.
+    """
+
+    name: str
+    shows: str  # which decision of the release computation matters under it
+    persistence_threshold: int | None = 0
+    reuse_distance: int | None = REUSE_DISTANCE
+    prefetch_bucket: int | None = 0
+    width: int = WIDTH
+    far_reuse: bool = False
+    frozen_inner: bool = False
+    leaf_blocks: bool = False
+    granularity_threshold: int | None = None  # DeepSpeed makes modules of at most this granularity z3 leaves
+
+    def unsupported(self) -> str:
+        """Why the installed DeepSpeed cannot run these settings (empty when it can)."""
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        fields = getattr(DeepSpeedZeroConfig, "model_fields", None) or DeepSpeedZeroConfig.__fields__  # pydantic 2, or 1
+        if self.granularity_threshold is not None and "module_granularity_threshold" not in fields:
+            return f"DeepSpeed {deepspeed_version()} has no stage3_module_granularity_threshold"
+        return ""
+
+    def zero_optimization(self) -> dict[str, Any]:
+        chosen = {
+            "stage3_param_persistence_threshold": self.persistence_threshold,
+            "stage3_max_reuse_distance": self.reuse_distance,
+            "stage3_prefetch_bucket_size": self.prefetch_bucket,
+            "stage3_module_granularity_threshold": self.granularity_threshold,
+        }
+        return {"stage": 3, **{key: value for key, value in chosen.items() if value is not None}}
+
+    def model(self, checkpointing: str) -> StaticNet:
+        torch.manual_seed(0)
+        net = StaticNet(checkpointing == "on", self.width, far_reuse=self.far_reuse, frozen_inner=self.frozen_inner)
+        if self.leaf_blocks:
+            from deepspeed.utils import set_z3_leaf_modules
+
+            set_z3_leaf_modules(net, [Block])
+        return net
+
+
+# DeepSpeed's granularity of a module is its parameters' numel per layer below it: a Block of width
+# 16 has 800 / 4 = 200, the StaticNet around it 2432 / 12 = 202. A threshold of 201 makes the
+# blocks leaves and leaves the root alone.
+BLOCK_GRANULARITY = 201
+DEFAULT_WIDTH = 320  # a Linear(320, 320) weight (102400 numel) exceeds DeepSpeed's persistence threshold of 1e5; its bias does not
+VISIBLE = Settings("decisions-visible", "every parameter released unless reused within one layer")
+SETTINGS = (
+    VISIBLE,
+    Settings("prefetch-on", "prefetch gathers ahead of the trace", prefetch_bucket=PREFETCH_NUMEL),
+    Settings(
+        "deepspeed-defaults",
+        "DeepSpeed's own defaults: biases persistent, weights kept from forward to backward, prefetch on",
+        persistence_threshold=None,
+        reuse_distance=None,
+        prefetch_bucket=None,
+        width=DEFAULT_WIDTH,
+    ),
+    Settings(
+        "defaults-prefetch-off",
+        "DeepSpeed's defaults without prefetch: only the reuse-distance look-ahead keeps weights from forward to backward",
+        persistence_threshold=None,
+        reuse_distance=None,
+        width=DEFAULT_WIDTH,
+    ),
+    Settings(
+        "persistent-mixed",
+        "persistent biases beside released weights; with checkpointing a persistent parameter owned by a recompute owner",
+        persistence_threshold=WIDTH,
+        frozen_inner=True,
+    ),
+    Settings("reuse-inside-and-outside", "one reuse within the reuse distance (kept), one beyond it (released)", far_reuse=True),
+    Settings(
+        "prefetch-skips-reuse",
+        "no reuse distance: a reuse skipped by prefetch is all that keeps a parameter",
+        reuse_distance=0,
+        prefetch_bucket=PREFETCH_NUMEL,
+    ),  # fmt: skip
+    Settings("leaf-modules", "z3 leaf blocks: fetched and released whole", leaf_blocks=True),
+    Settings(
+        "leaf-fast-fetch",
+        "blocks made z3 leaves by DeepSpeed's granularity threshold: fetched whole, released without freeing data first",
+        granularity_threshold=BLOCK_GRANULARITY,
+    ),
+)
+
+
+def engine_config(dtype: str, settings: Settings = VISIBLE) -> dict[str, Any]:
+    """ZeRO-3 settings (by default ``VISIBLE``: release decisions visible).
+
+    DeepSpeed's defaults hide decisions: the persistence threshold keeps small parameters
+    resident forever and a reuse distance of 1e9 keeps everything resident from forward to
+    backward. Prefetch is off unless asked for, so every gather happens where the trace says.
     """
     return {
         "train_micro_batch_size_per_gpu": 2,
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": dtype == "bf16"},
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": 0,
-            "stage3_max_reuse_distance": reuse_distance,
-            "stage3_prefetch_bucket_size": prefetch,
-        },
+        "zero_optimization": settings.zero_optimization(),
     }
 
 
-def build_engine(model: torch.nn.Module, dtype: str, reuse_distance: int = REUSE_DISTANCE, prefetch: int = 0) -> Any:
+def build_engine(model: torch.nn.Module, dtype: str, reuse_distance: int = REUSE_DISTANCE, settings: Settings = VISIBLE) -> Any:
     """A real DeepSpeed ZeRO-3 engine around ``model`` (plain SGD over every parameter)."""
     torch.manual_seed(0)
     optimizer = torch.optim.SGD(list(model.parameters()), lr=1e-3)
-    config = engine_config(dtype, reuse_distance, prefetch)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if reuse_distance != REUSE_DISTANCE:
+        settings = dataclasses.replace(settings, reuse_distance=reuse_distance)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config(dtype, settings))
     return engine
 
 

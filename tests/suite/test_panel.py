@@ -7,8 +7,8 @@ candidate on 0.19.8 beside a correct fix of another shape, and a correct fix on 
 (0.14.5).
 ``DSMATRIX_PANEL=all`` (the acceptance session) runs every candidate on every release it has a diff for.
 Marked ``panel`` (and ``e2e``): each candidate builds and tests a patched DeepSpeed. The landing
-gate runs two of them (``GATE``, marked ``gate``): a correct fix of another shape and an
-incomplete one, on 0.19.8.
+gate runs three of them (``GATE``, marked ``gate``) on 0.19.8: a correct fix of another shape, an
+incomplete one, and a rewrite of the release computation that only settings users run show.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from conftest import FIXTURES, run_cli
 
 PANEL = FIXTURES / "panel"
 RELEASES = {"0.19.8": ">=0.19.3", "0.19.2": ">=0.19,<0.19.3", "0.14.5": ">=0.14,<0.16"}
-GATE = {("per-instance-lru", "0.19.8"), ("in-place-update", "0.19.8")}
+GATE = {("per-instance-lru", "0.19.8"), ("in-place-update", "0.19.8"), ("no-look-ahead", "0.19.8")}
+DIFFERS = "patched behaves differently from stock where stock is right: "
+BEHAVIOUR = ("patched gathers per step", "peak resident numel per step", "first difference: ")
 
 
 def candidates() -> list:
@@ -77,3 +79,5 @@ def test_candidate_gets_its_expected_verdict(warm_cache: Path, tmp_path: Path, c
         caught, crash = manifest["caught_by"], manifest.get("caught_with", "")
         by_its_defect = [r for r in result["reasons"] if caught in r and (crash in r if crash else "not the bug" not in r)]
         assert by_its_defect, result["reasons"]
+        if caught.startswith("test_stock_equivalence"):  # a difference from stock is named as behaviour, first
+            assert result["reasons"][0].startswith(DIFFERS) and any(b in result["reasons"][0] for b in BEHAVIOUR), result["reasons"]

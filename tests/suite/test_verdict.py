@@ -60,10 +60,33 @@ def test_reference_tests_compare_patched_behaviour_with_stock() -> None:
     assert verdict.verdict == "not-fixed"
     assert verdict.reasons == (
         "patched behaves differently from stock where stock is right: t::equivalence: "
-        "1: patched 'step 1: release a fwd', stock 'step 1: release a fwd -a.w'",
+        "first difference: patched 'step 1: release a fwd', stock 'step 1: release a fwd -a.w'",
     )
     stock["t::equivalence"] = _reference(same, outcome="failed")
     assert cell_verdict(stock, patched).verdict == "error"
+
+
+def test_a_difference_from_stock_is_named_as_behaviour_before_any_broken_test() -> None:
+    """Gathers per step, peak resident numel and the first differing event (which parameter, at
+    which step); a harness check failing on patched only is reported as what it is."""
+    stock, patched = outcomes(), outcomes(**PATCHED_OK)
+    stock["t::equivalence"] = TestOutcome(
+        "passed", reference="stock", properties={"behaviour": '[["fetch a fwd +a.w","release a fwd -a.w","peak 272"]]',
+                                                 "gathers_per_step": "[1]", "peak_numel_per_step": "[272]"},
+    )  # fmt: skip
+    patched["t::equivalence"] = TestOutcome(
+        "failed", reference="stock", message="AssertionError: harness: a step gathered or released nothing",
+        properties={"behaviour": '[["fetch a fwd +a.b,a.w","release a fwd -a.b,a.w","peak 288"]]',
+                    "gathers_per_step": "[2]", "peak_numel_per_step": "[288]"},
+    )  # fmt: skip
+    verdict = cell_verdict(stock, patched)
+    assert verdict.verdict == "not-fixed"
+    assert verdict.reasons[0] == (
+        "patched behaves differently from stock where stock is right: t::equivalence: patched gathers per step 2, stock 1; "
+        "peak resident numel per step 288, stock 272; "
+        "first difference: patched 'step 1: fetch a fwd +a.b,a.w', stock 'step 1: fetch a fwd +a.w'"
+    )
+    assert verdict.reasons[1].endswith("(not the bug: a harness check of the test, which stock passes, fails on patched)")
 
 
 def test_rank_evidence_needs_every_failing_rank_to_have_seen_the_bug() -> None:
