@@ -129,8 +129,9 @@ QUICK = f"not {REAL}"
 def tests(session: nox.Session) -> None:
     """The landing gate's tests (``nox -s lint tests`` is what CI runs): the quick ones two at a time, then the
     real work that shows the product works end to end, two files at a time: the bundled fix on DeepSpeed 0.19.8
-    (stock bugs seen, resumed) by the installed wheel, an interrupted run, two panel candidates (one correct,
-    one incomplete), the bundled diffs on every release's sdist. With arguments, one pytest run with exactly those."""
+    (stock bugs seen, resumed) by the installed wheel, an interrupted run, three panel candidates (one correct,
+    one incomplete, one only users' settings show), the bundled diffs on every release's sdist. With arguments,
+    one pytest run with exactly those."""
     session.install("-e", ".[test]")
     if session.posargs:
         session.run("pytest", *session.posargs)

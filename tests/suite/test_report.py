@@ -274,3 +274,23 @@ def test_a_store_whose_latest_link_was_lost_uses_its_newest_run(tmp_path: Path) 
     (tmp_path / "results" / "latest").unlink()
     report = load_report(write_report([tmp_path / "results"], tmp_path / "reports"))
     assert report["sources"][0]["run_id"] == newest.id and report["verdict"] == "QUALIFIED"
+
+
+def test_the_evidence_section_lists_the_branches_compared_with_stock(tmp_path: Path) -> None:
+    branches = {
+        "compared_tests": ["test_static_graph_behaves_as_stock"],
+        "functions": [{"file": "deepspeed/runtime/zero/c.py", "function": "C.__params_to_release", "taken": 2, "total": 2},
+                      {"file": "deepspeed/runtime/zero/c.py", "function": "C.release_sub_module", "taken": 9, "total": 10}],
+        "taken": 11, "total": 12,
+        "not_taken": [{"file": "deepspeed/runtime/zero/c.py", "function": "C.release_sub_module", "from": 520, "to": 521,
+                       "text": "if not free_data:"}],
+    }  # fmt: skip
+    coverage = {"changed_lines": 3, "executed_lines": 3, "missing": [], "hunks": [], "not_measured": [], "branches": branches}
+    store(tmp_path / "results", [{**FIXED, "change_coverage": coverage}])
+    target = write_report([tmp_path / "results"], tmp_path / "reports")
+    validate(load_report(target))
+    md = (target / "qualification.md").read_text()
+    assert "**11/12 branches, each compared with stock** (`C.__params_to_release` 2/2, `C.release_sub_module` 9/10)" in md
+    assert "not taken: `c.py:520->521` (`if not free_data:`)" in md
+    html = (target / "qualification.html").read_text()
+    assert "<strong>11/12 branches, each compared with stock</strong>" in html and "c.py:520-&gt;521" in html
