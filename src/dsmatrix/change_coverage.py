@@ -14,7 +14,8 @@ Branch evidence: coverage.py also measures branches (``branch = true``). Every f
 touches (its span, decorators included, overlaps a changed or removed line) has its branches
 listed, counting only what ran in the tests whose behaviour is compared with stock (the reference
 tests): each branch taken there was taken in a scenario where the patched build was shown to do
-exactly what stock does.
+exactly what stock does. A branch into a ``raise`` that never ran is a guard, not a decision: it
+is listed apart ("guards never raised"), not counted.
 """
 
 from __future__ import annotations
@@ -183,16 +184,21 @@ def branch_evidence(cov: object, data_dir: Path, root: Path, hunks: Sequence[Hun
         result["error"] = f"{type(exc).__name__}: {exc}"
         return result
     files = {str(Path(name).resolve()): data for name, data in json.loads(report.read_text())["files"].items()}
-    functions, not_taken = [], []
+    functions, not_taken, guards = [], [], []
     for file, path in paths.items():
         source = path.read_text(errors="replace")
         lines = source.splitlines()
+        raises = {node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Raise)}
         measured = files.get(str(path.resolve()), {}).get("functions", {})
         for name in touched_functions(source, spans[file]):
             entry = measured.get(name, {})
             taken, missing = entry.get("executed_branches", []), entry.get("missing_branches", [])
-            functions.append({"file": file, "function": name, "taken": len(taken), "total": len(taken) + len(missing)})
-            not_taken += [_branch(file, name, lines, a, b) for a, b in missing]
+            guard = [(a, b) for a, b in missing if b in raises]  # into a `raise`: a guard, not a decision
+            decisions = [(a, b) for a, b in missing if b not in raises]
+            functions.append({"file": file, "function": name, "taken": len(taken), "total": len(taken) + len(decisions)})
+            not_taken += [_branch(file, name, lines, a, b) for a, b in decisions]
+            guards += [_branch(file, name, lines, a, b) for a, b in guard]
+    result["guards_not_raised"] = guards
     result.update(
         functions=functions, not_taken=not_taken, taken=sum(f["taken"] for f in functions), total=sum(f["total"] for f in functions)
     )
@@ -222,6 +228,9 @@ def summary_line(measured: Mapping[str, object]) -> str:
         never = branches.get("not_taken") or []  # type: ignore[union-attr]
         if never:
             line += " (not taken: " + ", ".join(f"{b['file'].rsplit('/', 1)[-1]}:{b['from']}->{b['to']}" for b in never) + ")"  # type: ignore[index]
+        guards = branches.get("guards_not_raised") or []  # type: ignore[union-attr]
+        if guards:
+            line += f", {len(guards)} guard(s) never raised: " + ", ".join(f"{b['file'].rsplit('/', 1)[-1]}:{b['from']}" for b in guards)  # type: ignore[index]
     unreadable = measured.get("unreadable_data_files") or []
     if unreadable:
         line += f"; {len(unreadable)} process data file(s) unreadable, not counted"  # type: ignore[arg-type]

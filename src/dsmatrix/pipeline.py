@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import resource
 import shutil
 import subprocess
@@ -295,8 +296,15 @@ class ChangeCoverage:
     def measure(self, compared: Mapping[str, TestOutcome]) -> dict[str, Any]:
         """Changed lines and branches; branches count only in the test functions of ``compared``
         (the reference tests, whose patched behaviour was compared with stock's)."""
-        functions = [test.split("::", 1)[-1].split("[", 1)[0] for test, outcome in compared.items() if outcome.reference == "stock"]
+        functions = [_test_function(test) for test, outcome in compared.items() if outcome.reference == "stock"]
         return measure(self.data, self.root, self.hunks, self.other, functions)
+
+
+def _test_function(test_id: str) -> str:
+    """``module.function`` (coverage.py's test-function context) of ``path/module.py::function[params]@ws1``."""
+    module, _, name = test_id.partition("::")
+    function = re.split(r"[\[@]", name, maxsplit=1)[0]
+    return f"{module.rsplit('/', 1)[-1].removesuffix('.py')}.{function}"
 
 
 def _own_outcomes(junits: Sequence[Path]) -> dict[str, TestOutcome]:

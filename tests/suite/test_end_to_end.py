@@ -57,8 +57,12 @@ def test_bundled_fix_is_fixed_with_every_bug_seen_on_stock(installed: Path, tmp_
     figures = stock[recompute]["bug_observed"]
     assert figures["gathers_per_step_unfrozen"][-1] > figures["gathers_per_step_never_frozen"][-1]
     references = [t for t in stock if t.startswith("test_stock_equivalence::")]
-    assert len(references) == 8 and all(stock[t]["reference"] == "stock" for t in references)
+    assert len(references) == 36 and all(stock[t]["reference"] == "stock" for t in references)  # 9 settings x dtype x checkpointing
     assert all(stock[t]["properties"]["behaviour"] == patched[t]["properties"]["behaviour"] for t in references)
+    # every decision branch of the functions the fix touches, taken in a scenario compared with stock
+    branches = result["change_coverage"]["branches"]
+    assert branches["taken"] == branches["total"] > 20 and not branches["not_taken"], branches
+    assert f"branches of the changed functions taken in tests compared with stock {branches['total']}/{branches['total']}" in proc.stdout
     assert result["builds"]["patched"]["installed"]["deepspeed"].startswith("0.19.8+patched.")
     assert result["builds"]["patched"]["build_info"]["patch_sha256"] == result["patch"]["sha256"]
     assert result["patch"]["source"].startswith(str(installed.parent)), "the fix must come from the installed package"

@@ -120,30 +120,39 @@ def test_branches_of_the_touched_functions_count_only_in_tests_compared_with_sto
 
     from dsmatrix.change_coverage import touched_functions
 
-    source = "def decide(x):\n    if x > 0:\n        return 1\n    return 0\n\n\ndef other(y):\n    if y:\n        return 1\n    return 2\n"
+    source = (
+        "def decide(x):\n    if x > 0:\n        return 1\n    return 0\n\n\ndef other(y):\n    if y:\n        return 1\n    return 2\n"
+        "\n\ndef guarded(z):\n    if z is None:\n        raise ValueError(z)\n    return z\n"
+    )
     module = tmp_path / "site" / "deepspeed" / "changed.py"
     module.parent.mkdir(parents=True)
     module.write_text(source)
     diff = (
         "--- a/deepspeed/changed.py\n+++ b/deepspeed/changed.py\n@@ -1,4 +1,4 @@\n"
         " def decide(x):\n     if x > 0:\n-        return 2\n+        return 1\n     return 0\n"
+        "@@ -15,2 +15,2 @@\n         raise ValueError(z)\n-    return 0\n+    return z\n"
     )
     hunks, _ = changed_hunks(diff)
     assert hunks[0].span == (3, 3) and touched_functions(source, [hunks[0].span]) == ["decide"]
+    assert touched_functions(source, [hunks[1].span]) == ["guarded"]
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     data = CoverageData(basename=str(data_dir / ".coverage.vm.pid1.x"))
-    for context, arcs in (("engine|test_compared", [(-1, 2), (2, 3), (3, -1)]), ("engine|test_other", [(-1, 2), (2, 4), (4, -1)])):
+    compared_arcs = [(-1, 2), (2, 3), (3, -1), (-13, 14), (14, 16), (16, -13)]
+    for context, arcs in (("engine|test_mod.test_compared", compared_arcs), ("engine|test_mod.test_other", [(-1, 2), (2, 4), (4, -1)])):
         data.set_context(context)
         data.add_arcs({str(module): arcs})
     data.write()
-    measured = measure(data_dir, tmp_path / "site", hunks, [], compared=["test_compared"])
+    measured = measure(data_dir, tmp_path / "site", hunks, [], compared=["test_mod.test_compared"])
     branches = measured["branches"]
-    assert (branches["taken"], branches["total"]) == (1, 2)
-    assert branches["functions"] == [{"file": "deepspeed/changed.py", "function": "decide", "taken": 1, "total": 2}]
+    assert (branches["taken"], branches["total"]) == (2, 3)
+    assert branches["functions"] == [{"file": "deepspeed/changed.py", "function": "decide", "taken": 1, "total": 2},
+                                     {"file": "deepspeed/changed.py", "function": "guarded", "taken": 1, "total": 1}]  # fmt: skip
+    assert [(b["from"], b["to"]) for b in branches["guards_not_raised"]] == [(14, 15)]
     assert [(b["from"], b["to"], b["text"]) for b in branches["not_taken"]] == [(2, 4, "if x > 0:")]
     assert summary_line(measured).endswith(
-        "; branches of the changed functions taken in tests compared with stock 1/2 (not taken: changed.py:2->4)"
+        "; branches of the changed functions taken in tests compared with stock 2/3 (not taken: changed.py:2->4), "
+        "1 guard(s) never raised: changed.py:14"
     )
     removal = "--- a/deepspeed/changed.py\n+++ b/deepspeed/changed.py\n@@ -7,3 +7,2 @@\n-@decorated\n def other(y):\n     if y:\n"
     (only_removed,) = changed_hunks(removal)[0]

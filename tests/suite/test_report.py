@@ -284,6 +284,8 @@ def test_the_evidence_section_lists_the_branches_compared_with_stock(tmp_path: P
         "taken": 11, "total": 12,
         "not_taken": [{"file": "deepspeed/runtime/zero/c.py", "function": "C.release_sub_module", "from": 520, "to": 521,
                        "text": "if not free_data:"}],
+        "guards_not_raised": [{"file": "deepspeed/runtime/zero/c.py", "function": "C.compute", "from": 648, "to": 649,
+                               "text": "if not self.is_complete_trace():"}],
     }  # fmt: skip
     coverage = {"changed_lines": 3, "executed_lines": 3, "missing": [], "hunks": [], "not_measured": [], "branches": branches}
     store(tmp_path / "results", [{**FIXED, "change_coverage": coverage}])
@@ -292,5 +294,6 @@ def test_the_evidence_section_lists_the_branches_compared_with_stock(tmp_path: P
     md = (target / "qualification.md").read_text()
     assert "**11/12 branches, each compared with stock** (`C.__params_to_release` 2/2, `C.release_sub_module` 9/10)" in md
     assert "not taken: `c.py:520->521` (`if not free_data:`)" in md
+    assert "guards never raised (a branch into `raise`, not counted): `c.py:648` (`if not self.is_complete_trace():`)" in md
     html = (target / "qualification.html").read_text()
     assert "<strong>11/12 branches, each compared with stock</strong>" in html and "c.py:520-&gt;521" in html
