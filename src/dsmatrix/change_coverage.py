@@ -173,7 +173,9 @@ def branch_evidence(cov: object, data_dir: Path, root: Path, hunks: Sequence[Hun
         if hunk.span != (0, 0):
             spans.setdefault(hunk.file, []).append(hunk.span)
     contexts = [rf"\|{re.escape(name)}$" for name in sorted(set(compared))]
-    result: dict[str, object] = {"compared_tests": sorted(set(compared)), "functions": [], "taken": 0, "total": 0, "not_taken": []}
+    result: dict[str, object] = {
+        "compared_tests": sorted(set(compared)), "functions": [], "taken": 0, "total": 0, "not_taken": [], "guards_not_raised": []
+    }  # fmt: skip
     if not contexts or not spans:
         return result
     report = data_dir / "branches.json"
@@ -198,10 +200,8 @@ def branch_evidence(cov: object, data_dir: Path, root: Path, hunks: Sequence[Hun
             functions.append({"file": file, "function": name, "taken": len(taken), "total": len(taken) + len(decisions)})
             not_taken += [_branch(file, name, lines, a, b) for a, b in decisions]
             guards += [_branch(file, name, lines, a, b) for a, b in guard]
-    result["guards_not_raised"] = guards
-    result.update(
-        functions=functions, not_taken=not_taken, taken=sum(f["taken"] for f in functions), total=sum(f["total"] for f in functions)
-    )
+    all_taken, all_total = sum(f["taken"] for f in functions), sum(f["total"] for f in functions)
+    result.update(functions=functions, not_taken=not_taken, guards_not_raised=guards, taken=all_taken, total=all_total)
     return result
 
 

@@ -41,3 +41,5 @@ def test_static_graph_behaves_as_stock(dtype: str, checkpointing: str, settings:
     zero3.record_behaviour(record_property, steps)  # recorded first: a difference from stock is named even if a check below fails
     assert complete, "harness: the trace never completed"
     assert all(s.gathers and s.releases for s in steps), "harness: a step gathered or released nothing"
+    released = {name for s in steps for e in s.events for name in e.released}
+    assert {"gain" in n for n in released} >= {True}, "harness: no parent's own parameter was ever released"
