@@ -15,9 +15,9 @@ import nox
 from filelock import FileLock  # nox needs virtualenv, which needs filelock
 
 sys.path.insert(0, str(Path(__file__).parent / "src"))
-from dsmatrix.cells import Cell, all_cells  # noqa: E402
-from dsmatrix.errors import FatalError  # noqa: E402
-from dsmatrix.matrix import load_matrix  # noqa: E402
+from dsmatrix.infra.errors import FatalError  # noqa: E402
+from dsmatrix.plan.cells import Cell, all_cells  # noqa: E402
+from dsmatrix.plan.matrix import load_matrix  # noqa: E402
 
 nox.needs_version = ">=2024.3.2"
 nox.options.sessions = ["lint", "tests"]  # the landing gate, what CI runs

@@ -17,23 +17,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dsmatrix import __version__, progress
-from dsmatrix.bench import DEFAULT_MARGIN, DEFAULT_MAX_ROUNDS, DEFAULT_MINUTES, BenchOptions
-from dsmatrix.cache import Cache, default_root
-from dsmatrix.cells import Cell, Selection, plan_cells
-from dsmatrix.deepspeed_tests import load_selection
-from dsmatrix.disk import LOW_DISK
-from dsmatrix.errors import ConfigError, FatalError, InterpreterNotFound, UnknownVersionError
-from dsmatrix.hosts import native_platform
-from dsmatrix.images import IMAGES, build_images, docker_engine, image_for, inside_view
-from dsmatrix.instructions import DEFAULT_MARGIN as DEFAULT_INSTRUCTIONS_MARGIN
-from dsmatrix.locations import default_matrix, default_patch, project_root
-from dsmatrix.matrix import CELL_AXES, RUNTIME_AXES, Matrix, load_matrix
-from dsmatrix.matrix_run import INTERRUPTED_EXIT, MatrixOptions, interrupts_raise, plan_run, run_matrix
-from dsmatrix.parallel import SIDE_BY_SIDE
-from dsmatrix.patches import PatchSet, load_patch_set, pr_change
-from dsmatrix.report import TierPlan, load_report, passes, write_report
-from dsmatrix.sources import GitSource, changed_diff, is_git, resolve, split_spec
+from dsmatrix import __version__
+from dsmatrix.build.images import IMAGES, build_images, docker_engine, image_for, inside_view
+from dsmatrix.build.patches import PatchSet, load_patch_set, pr_change
+from dsmatrix.build.sources import GitSource, changed_diff, is_git, resolve, split_spec
+from dsmatrix.execute.deepspeed_tests import load_selection
+from dsmatrix.execute.instructions import DEFAULT_MARGIN as DEFAULT_INSTRUCTIONS_MARGIN
+from dsmatrix.execute.schedule import INTERRUPTED_EXIT, MatrixOptions, interrupts_raise, plan_run, run_matrix
+from dsmatrix.execute.step_time import DEFAULT_MARGIN, DEFAULT_MAX_ROUNDS, DEFAULT_MINUTES, BenchOptions
+from dsmatrix.infra import progress
+from dsmatrix.infra.cache import Cache, default_root
+from dsmatrix.infra.errors import ConfigError, FatalError, InterpreterNotFound, UnknownVersionError
+from dsmatrix.infra.hosts import native_platform
+from dsmatrix.infra.locations import default_matrix, default_patch, project_root
+from dsmatrix.infra.parallel import SIDE_BY_SIDE
+from dsmatrix.plan.cells import Cell, Selection, plan_cells
+from dsmatrix.plan.disk import LOW_DISK
+from dsmatrix.plan.matrix import CELL_AXES, RUNTIME_AXES, Matrix, load_matrix
+from dsmatrix.report.qualification import TierPlan, load_report, passes, write_report
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -54,7 +55,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--deepspeed-tests",
         default="core",
         metavar="SET",
-        help="git sources: which of DeepSpeed's own tests run on both builds (tests/deepspeed/selection.toml: core, quick, full; none)",
+        help="git sources: which of DeepSpeed's own tests run on both builds (dsmatrix/payload/deepspeed_tests/selection.toml: core, quick, full; none)",
     )
     matrix.add_argument("--results", type=Path, default=Path("results"))
     matrix.add_argument("--cache-dir", type=Path, default=default_root())

@@ -18,7 +18,7 @@ from filelock import FileLock
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
 # What a wheel of this checkout is built from (pyproject.toml maps these folders into the package).
-WHEEL_SOURCES = ("pyproject.toml", "src", "matrix", "patches", "tests/engine", "tests/bench", "tests/deepspeed", "containers")
+WHEEL_SOURCES = ("pyproject.toml", "src", "matrix", "patches", "containers")
 
 
 def strict() -> bool:
@@ -133,9 +133,9 @@ def warm(cache_root: Path, versions: tuple[str, ...] = ("0.19.8", "0.19.2")) -> 
     the seconds it took (about none when they are there)."""
     import time
 
-    from dsmatrix.builds import builder_environment, fetch_sdist
-    from dsmatrix.cache import Cache
-    from dsmatrix.cells import Cell
+    from dsmatrix.build.wheels import builder_environment, fetch_sdist
+    from dsmatrix.infra.cache import Cache
+    from dsmatrix.plan.cells import Cell
 
     started = time.monotonic()
     cache = Cache(cache_root)
@@ -149,7 +149,7 @@ def warm(cache_root: Path, versions: tuple[str, ...] = ("0.19.8", "0.19.2")) -> 
 def warm_cache(request: pytest.FixtureRequest) -> Path:
     """The suite's default cache warmed once for every real test of a run (both xdist workers wait for
     the one that warms it), so that their durations are their own work."""
-    from dsmatrix.cache import default_root
+    from dsmatrix.infra.cache import default_root
 
     root = default_root()
     with FileLock(str(shared_folder(request, "warm-up")) + ".lock"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dsmatrix.results import Run, start_run
+from dsmatrix.infra.results import Run, start_run
 
 PATCH = {"source": "/x/patches/zero3-release-cache", "sha256": "ab" * 32, "diffs": [{"versions": ">=0.19.3", "file": "d.diff"}]}
 HOST = {

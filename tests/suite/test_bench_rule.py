@@ -8,7 +8,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsmatrix.bench import INCONCLUSIVE, NO_REGRESSION, NOT_MEASURED, REGRESSION, RELEASE_PATH, STEP, compare, decide, throughput_verdict
+from dsmatrix.execute.step_time import (
+    INCONCLUSIVE,
+    NO_REGRESSION,
+    NOT_MEASURED,
+    REGRESSION,
+    RELEASE_PATH,
+    STEP,
+    compare,
+    decide,
+    throughput_verdict,
+)
 
 
 def rounds(center: float, spread: float, n: int, seed: int) -> list[float]:
@@ -65,7 +75,7 @@ def test_release_path_is_reported_but_does_not_judge_the_cell() -> None:
 
 
 def test_the_certifiable_margin_is_the_widest_a_a_step_upper_bound() -> None:
-    from dsmatrix.bench import certifiable_margin
+    from dsmatrix.execute.step_time import certifiable_margin
 
     tight = compare("test_train_step[a]", rounds(0.100, 0.003, 8, 1), rounds(0.100, 0.003, 8, 2))
     loose = compare("test_train_step[b]", rounds(0.100, 0.03, 8, 1), rounds(0.100, 0.03, 8, 2))
@@ -79,7 +89,7 @@ def test_the_sequential_interval_keeps_its_coverage_under_repeated_looks() -> No
     over 200 simulated A/A runs with a true ratio of exactly the margin's edge (1.02), the rule
     may call no-regression (a wrong decision) in at most 5% of them; a fixed-size 95% t interval
     looked at this often would be wrong far more often."""
-    from dsmatrix.bench import ratio_interval
+    from dsmatrix.execute.step_time import ratio_interval
 
     rng = np.random.default_rng(7)
     wrong = 0
@@ -95,7 +105,7 @@ def test_the_sequential_interval_keeps_its_coverage_under_repeated_looks() -> No
 
 
 def test_the_cell_verdict_uses_instructions_and_any_decided_regression() -> None:
-    from dsmatrix.bench import cell_throughput
+    from dsmatrix.execute.step_time import cell_throughput
 
     counted = {"verdict": NO_REGRESSION, "calibration": "pass"}
     assert cell_throughput(INCONCLUSIVE, NO_REGRESSION, counted) == (NO_REGRESSION, "instructions")
@@ -118,7 +128,7 @@ def counts(center: int, spread: float, seed: int) -> list[int]:
 
 
 def test_instruction_rule_widens_the_ratio_by_the_a_a_deviation() -> None:
-    from dsmatrix import instructions
+    from dsmatrix.execute import instructions
 
     same = instructions.compare("test_train_step[x]", {"stock": counts(65_000_000, 2e-4, 1), "patched": counts(65_030_000, 2e-4, 2),
                                                       "stock-again": counts(65_000_000, 2e-4, 3)})  # fmt: skip
@@ -135,8 +145,8 @@ def test_instruction_rule_widens_the_ratio_by_the_a_a_deviation() -> None:
 
 
 def test_callgrind_dumps_are_read_by_their_labels(tmp_path: Path) -> None:
-    from dsmatrix.errors import RunError
-    from dsmatrix.instructions import read_intervals
+    from dsmatrix.execute.instructions import read_intervals
+    from dsmatrix.infra.errors import RunError
 
     def dump(name: str, trigger: str, total: int) -> None:
         header = "version: 1\ncreator: callgrind-3.19.0\npart: 1\ndesc: I1 cache: \ndesc: Timerange: Basic block 0 - 9\n"

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_cli, run_outside, tagged_processes
 
-from dsmatrix.hosts import native_platform
-from dsmatrix.matrix import load_matrix
+from dsmatrix.infra.hosts import native_platform
+from dsmatrix.plan.matrix import load_matrix
 
 pytestmark = pytest.mark.e2e
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dsmatrix.errors import ConfigError, EmulationUnavailable
-from dsmatrix.hosts import decode_hwcaps, describe, is_emulated, native_platform
-from dsmatrix.images import IMAGES, _image_tarball, _local_source_dirs, debian_mirror, ensure_emulation, image_for
+from dsmatrix.build.images import IMAGES, _image_tarball, _local_source_dirs, debian_mirror, ensure_emulation, image_for
+from dsmatrix.infra.errors import ConfigError, EmulationUnavailable
+from dsmatrix.infra.hosts import decode_hwcaps, describe, is_emulated, native_platform
 
 REPO = Path(__file__).resolve().parents[2]
 # AT_HWCAP / AT_HWCAP2 that qemu-user 7.2 reports for QEMU_CPU=cortex-a76 (read inside the rpi5 image)
@@ -139,8 +139,8 @@ def test_docker_errors_inside_the_engine_block_are_one_line(tmp_path: Path, monk
     """An API error while using an answering engine is a HostError line, and no daemon is started for it."""
     import docker
 
-    from dsmatrix import images
-    from dsmatrix.errors import DockerUnavailable
+    from dsmatrix.build import images
+    from dsmatrix.infra.errors import DockerUnavailable
 
     class Answering:
         def ping(self) -> bool:
@@ -158,8 +158,8 @@ def test_the_suites_daemon_is_shared_and_stopped_by_its_last_user(tmp_path: Path
     The daemon and run B are real processes (sleep), the docker API is not needed for the rule."""
     import subprocess
 
-    from dsmatrix import images
-    from dsmatrix.processes import start_time
+    from dsmatrix.build import images
+    from dsmatrix.infra.processes import start_time
 
     daemon = subprocess.Popen(["sleep", "300"])
     other_run = subprocess.Popen(["sleep", "300"])
@@ -186,7 +186,7 @@ def test_the_suites_daemon_is_shared_and_stopped_by_its_last_user(tmp_path: Path
 
 
 def test_an_engine_the_suite_did_not_start_is_never_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dsmatrix import images
+    from dsmatrix.build import images
 
     class Answering:
         def ping(self) -> bool:
@@ -203,7 +203,7 @@ def test_images_are_built_side_by_side_after_apt_installs_in_turn(monkeypatch: p
     """Both platforms' builds overlap in time; qemu and debootstrap (apt-get, one caller at a time) come first."""
     import threading
 
-    from dsmatrix import images
+    from dsmatrix.build import images
 
     events: list[str] = []
     lock = threading.Lock()

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from dsmatrix.cells import Cell, plan_cells
-from dsmatrix.errors import ConfigError
-from dsmatrix.matrix import load_matrix
+from dsmatrix.infra.errors import ConfigError
+from dsmatrix.plan.cells import Cell, plan_cells
+from dsmatrix.plan.matrix import load_matrix
 
 GOOD = """
 [axes]

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from dsmatrix.change_coverage import Hunk, changed_hunks, measure, summary_line
-from dsmatrix.deepspeed_tests import compare, copy_tests, load_selection, set_names
-from dsmatrix.errors import ConfigError
-from dsmatrix.run import TestOutcome
-from dsmatrix.verdict import FIXED, NOT_FIXED, UNDETECTED, Verdict, with_deepspeed_tests
+from dsmatrix.execute.change_coverage import Hunk, changed_hunks, measure, summary_line
+from dsmatrix.execute.deepspeed_tests import compare, copy_tests, load_selection, set_names
+from dsmatrix.execute.engine_tests import TestOutcome
+from dsmatrix.infra.errors import ConfigError
+from dsmatrix.judge.verdict import FIXED, NOT_FIXED, UNDETECTED, Verdict, with_deepspeed_tests
 
 DIFF = """\
 --- a/deepspeed/runtime/zero/partitioned_param_coordinator.py
@@ -118,7 +118,7 @@ def test_branches_of_the_touched_functions_count_only_in_tests_compared_with_sto
     """A branch taken only in a test not compared with stock is not evidence; untouched functions are not listed."""
     from coverage import CoverageData
 
-    from dsmatrix.change_coverage import touched_functions
+    from dsmatrix.execute.change_coverage import touched_functions
 
     source = (
         "def decide(x):\n    if x > 0:\n        return 1\n    return 0\n\n\ndef other(y):\n    if y:\n        return 1\n    return 2\n"

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from dsmatrix.builds import fetch_sdist, unpack_sdist
-from dsmatrix.cache import Cache, default_root
-from dsmatrix.errors import PatchDoesNotApply, PatchError
-from dsmatrix.matrix import load_matrix
-from dsmatrix.patches import apply_diff, load_patch_set
+from dsmatrix.build.patches import apply_diff, load_patch_set
+from dsmatrix.build.wheels import fetch_sdist, unpack_sdist
+from dsmatrix.infra.cache import Cache, default_root
+from dsmatrix.infra.errors import PatchDoesNotApply, PatchError
+from dsmatrix.plan.matrix import load_matrix
 
 TARGET = "deepspeed/runtime/zero/partitioned_param_coordinator.py"
 ORIGINAL = "one\ntwo\nthree\nfour\nfive\n"

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from dsmatrix.cache import Cache
-from dsmatrix.cells import Cell
-from dsmatrix.disk import GIB, grouped, plan_disk, prune_set, set_entries, torch_set, tree_gib, uv_cache
-from dsmatrix.errors import DiskSpaceError
-from dsmatrix.patches import load_patch_set
-from dsmatrix.pipeline import fingerprint, suite_digest
-from dsmatrix.run import remove_shm_buffers
+from dsmatrix.build.patches import load_patch_set
+from dsmatrix.execute import schedule
+from dsmatrix.execute.cell import fingerprint, suite_digest
+from dsmatrix.execute.engine_tests import remove_shm_buffers
+from dsmatrix.infra.cache import Cache
+from dsmatrix.infra.errors import DiskSpaceError
+from dsmatrix.plan.cells import Cell
+from dsmatrix.plan.disk import GIB, grouped, plan_disk, prune_set, set_entries, torch_set, tree_gib, uv_cache
 
 Usage = namedtuple("Usage", "total used free")
 RUNTIME = {"dtype": ("fp32",), "checkpointing": ("off",), "world_size": ("1",)}
@@ -100,7 +101,7 @@ def test_only_our_ports_shm_buffers_are_removed(tmp_path: Path) -> None:
 def test_rendezvous_ports_stay_below_the_ephemeral_range() -> None:
     """Ports the kernel hands out to connections are never picked, so three benchmark processes
     starting together cannot take each other's rendezvous port (seen: EADDRINUSE)."""
-    from dsmatrix.run import _ephemeral_ports, free_port
+    from dsmatrix.execute.engine_tests import _ephemeral_ports, free_port
 
     low, _ = _ephemeral_ports()
     ports = {free_port() for _ in range(20)}
@@ -115,8 +116,8 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 
 def test_stock_results_are_run_once_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Validating several patches runs the stock tests once; ``reuse=False`` (``--fresh``) runs them again."""
-    from dsmatrix import pipeline
-    from dsmatrix.run import TestRun
+    from dsmatrix.execute import cell as pipeline
+    from dsmatrix.execute.engine_tests import TestRun
 
     calls = []
 
@@ -147,8 +148,7 @@ def test_low_disk_mode_prunes_a_set_before_the_next_sets_cells_start(tmp_path: P
     """Two cells at a time, but never across sets: the disk plan counts one set (times jobs) on disk."""
     import threading
 
-    from dsmatrix import matrix_run
-    from dsmatrix.cells import Selection
+    from dsmatrix.plan.cells import Selection
 
     cache, events, lock = Cache(tmp_path), [], threading.Lock()
     sibling_done = threading.Event()  # the set's first cell finishes last: it waits for its sibling
@@ -162,13 +162,13 @@ def test_low_disk_mode_prunes_a_set_before_the_next_sets_cells_start(tmp_path: P
             sibling_done.set()
         return {"verdict": "fixed", "timings": {"total_s": 0.1}}
 
-    monkeypatch.setattr(matrix_run, "run_cell", cell_work)
-    monkeypatch.setattr(matrix_run, "_prune", lambda _cache, key, cells: events.append(("prune", key)))
+    monkeypatch.setattr(schedule, "run_cell", cell_work)
+    monkeypatch.setattr(schedule, "_prune", lambda _cache, key, cells: events.append(("prune", key)))
     selection = Selection(tuple(NIGHTLY_LIKE), RUNTIME)
-    options = matrix_run.MatrixOptions("nightly", tmp_path, None, tmp_path / "results", cache, selection)
+    options = schedule.MatrixOptions("nightly", tmp_path, None, tmp_path / "results", cache, selection)
     todo = grouped(NIGHTLY_LIKE)
-    plan = matrix_run.Plan({c: "local" for c in todo}, dict.fromkeys(todo, ""), {}, plan_disk(todo, cache, "on", 2), 2, todo=todo)
-    matrix_run._run_local_cells(options, plan, None, {}, lambda *a: None)  # type: ignore[arg-type]
+    plan = schedule.Plan({c: "local" for c in todo}, dict.fromkeys(todo, ""), {}, plan_disk(todo, cache, "on", 2), 2, todo=todo)
+    schedule._run_local_cells(options, plan, None, {}, lambda *a: None)  # type: ignore[arg-type]
     sets = list(dict.fromkeys(torch_set(c) for c in todo))
     assert events == [e for key in sets for e in [("start", key)] * sum(torch_set(c) == key for c in todo) + [("prune", key)]]
 
@@ -176,8 +176,8 @@ def test_low_disk_mode_prunes_a_set_before_the_next_sets_cells_start(tmp_path: P
 def test_a_set_with_one_cell_runs_its_builds_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Low-disk mode runs the sets one after another: two cells at a time keep two cores busy, but a
     set of one cell would leave a core idle with its builds in turn."""
-    from dsmatrix import matrix_run, parallel
-    from dsmatrix.cells import Selection
+    from dsmatrix.infra import parallel
+    from dsmatrix.plan.cells import Selection
 
     seen: dict[Cell, bool] = {}
 
@@ -185,15 +185,15 @@ def test_a_set_with_one_cell_runs_its_builds_side_by_side(tmp_path: Path, monkey
         seen[cell] = bool(args[-1])  # run_cell's last argument: the builds side by side
         return {"verdict": "fixed", "timings": {"total_s": 0.1}}
 
-    monkeypatch.setattr(matrix_run, "run_cell", cell_work)
-    monkeypatch.setattr(matrix_run, "_prune", lambda *a: None)
+    monkeypatch.setattr(schedule, "run_cell", cell_work)
+    monkeypatch.setattr(schedule, "_prune", lambda *a: None)
     monkeypatch.setattr(parallel, "cores", lambda: 2)
     monkeypatch.setattr(parallel, "available_gib", lambda: 20.0)
     selection = Selection(tuple(NIGHTLY_LIKE), RUNTIME)
-    options = matrix_run.MatrixOptions("nightly", tmp_path, None, tmp_path / "results", Cache(tmp_path), selection)
+    options = schedule.MatrixOptions("nightly", tmp_path, None, tmp_path / "results", Cache(tmp_path), selection)
     todo = grouped(NIGHTLY_LIKE)
-    plan = matrix_run.Plan({c: "local" for c in todo}, dict.fromkeys(todo, ""), {}, plan_disk(todo, Cache(tmp_path), "on", 2), 2, todo=todo)
-    matrix_run._run_local_cells(options, plan, None, {}, lambda *a: None)  # type: ignore[arg-type]
+    plan = schedule.Plan({c: "local" for c in todo}, dict.fromkeys(todo, ""), {}, plan_disk(todo, Cache(tmp_path), "on", 2), 2, todo=todo)
+    schedule._run_local_cells(options, plan, None, {}, lambda *a: None)  # type: ignore[arg-type]
     alone = {c for c in todo if sum(torch_set(o) == torch_set(c) for o in todo) == 1}
     assert alone == {Cell("3.11", "2.13.0+cpu", "0.19.8")}
     assert seen == {c: c in alone for c in todo}
@@ -203,8 +203,7 @@ def test_a_running_summary_keeps_the_disk_peak_so_far(tmp_path: Path, monkeypatc
     """A run that never ends (the machine was reset) still says how much disk it took."""
     import json
 
-    from dsmatrix import matrix_run
-    from dsmatrix.cells import Selection
+    from dsmatrix.plan.cells import Selection
 
     cells, summaries = NIGHTLY_LIKE[:2], []
 
@@ -215,13 +214,13 @@ def test_a_running_summary_keeps_the_disk_peak_so_far(tmp_path: Path, monkeypatc
         (summary,) = (tmp_path / "results").glob("2*/summary.json")
         summaries.append(json.loads(summary.read_text()))
 
-    monkeypatch.setattr(matrix_run, "run_cell", cell_work)
+    monkeypatch.setattr(schedule, "run_cell", cell_work)
     patch = load_patch_set(Path(__file__).parents[2] / "patches" / "zero3-release-cache")
     selection = Selection(tuple(cells), RUNTIME)
     (tmp_path / "cache").mkdir()
-    options = matrix_run.MatrixOptions("nightly", tmp_path, patch, tmp_path / "results", Cache(tmp_path / "cache"), selection)
-    plan = matrix_run.Plan({c: "local" for c in cells}, dict.fromkeys(cells, ""), {}, jobs=1, todo=list(cells))
-    matrix_run.run_matrix(options, plan, say, {"tier": "nightly"})
+    options = schedule.MatrixOptions("nightly", tmp_path, patch, tmp_path / "results", Cache(tmp_path / "cache"), selection)
+    plan = schedule.Plan({c: "local" for c in cells}, dict.fromkeys(cells, ""), {}, jobs=1, todo=list(cells))
+    schedule.run_matrix(options, plan, say, {"tier": "nightly"})
     assert summaries[0]["status"] == "running" and len(summaries[0]["cells"]) == 1
     assert summaries[0]["disk"]["peak_above_start_gib"] >= 0, "written with the first finished cell"
 
@@ -229,7 +228,7 @@ def test_a_running_summary_keeps_the_disk_peak_so_far(tmp_path: Path, monkeypatc
 def test_ranks_get_a_jit_lock_folder_only_where_ccache_compiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With ccache, the engine tests build the comm op in turn (so the second environment is a
     ccache hit); without it there is nothing to share and no lock."""
-    import dsmatrix.run as run
+    import dsmatrix.execute.engine_tests as run
 
     python = tmp_path / "env" / "bin" / "python"
     monkeypatch.setenv("CCACHE_DIR", str(tmp_path / "ccache"))
@@ -256,7 +255,7 @@ def test_two_environments_build_the_comm_op_one_after_the_other(tmp_path: Path) 
     import subprocess
     import sys
 
-    from dsmatrix.run import ENGINE_TESTS
+    from dsmatrix.execute.engine_tests import ENGINE_TESTS
 
     stubs = tmp_path / "stubs"
     (stubs / "deepspeed" / "comm").mkdir(parents=True)
@@ -284,7 +283,7 @@ def test_a_venv_or_shim_of_an_interpreter_is_found_as_the_interpreter_itself(tmp
     import subprocess
     import sys
 
-    from dsmatrix.environments import find_interpreter
+    from dsmatrix.build.environments import find_interpreter
 
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     real = Path(os.path.realpath(sys._base_executable))

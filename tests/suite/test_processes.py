@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsmatrix import processes
+from dsmatrix.infra import processes
 
 
 def _members(pgid: int) -> list[int]:
@@ -57,7 +57,7 @@ def _members_of_command(text: str) -> list[int]:
 def test_the_groups_of_a_killed_run_are_stopped_by_the_next(tmp_path: Path) -> None:
     registry = tmp_path / "processes"
     owner_code = (
-        "import sys, time; from pathlib import Path; from dsmatrix import processes\n"
+        "import sys, time; from pathlib import Path; from dsmatrix.infra import processes\n"
         f"processes.track_in(Path({str(registry)!r}))\n"
         "processes.start(['sh', '-c', 'sleep 301 & sleep 301 & wait'])\n"
         # what ninja does with each compile command: a process group of its own inside the session

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import tagged_processes
 
-from dsmatrix import parallel, processes, progress
-from dsmatrix.run import probe_of_tests
+from dsmatrix.execute import schedule
+from dsmatrix.execute.engine_tests import probe_of_tests
+from dsmatrix.infra import parallel, processes, progress
 
 
 def _wait_for_file(path: Path, limit_s: float = 120) -> list[str]:
@@ -205,10 +206,9 @@ def test_an_interrupt_stops_the_children_of_every_thread() -> None:
 
 def test_pruning_a_finished_set_heartbeats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Removing a torch set's several GiB took 178 s here, and the run said nothing meanwhile."""
-    from dsmatrix import matrix_run
-    from dsmatrix.cache import Cache
-    from dsmatrix.cells import Cell
-    from dsmatrix.disk import torch_set
+    from dsmatrix.infra.cache import Cache
+    from dsmatrix.plan.cells import Cell
+    from dsmatrix.plan.disk import torch_set
 
     heading = "low-disk: py3.12-torch2.9.1-linux_amd64: removing its uv cache"
     release = tmp_path / "release"
@@ -218,19 +218,18 @@ def test_pruning_a_finished_set_heartbeats(tmp_path: Path, monkeypatch: pytest.M
         assert processes.run(_wait_for_file(release, 60)).returncode == 0, f"no three lines in a minute: {lines}"
         return 5.5
 
-    monkeypatch.setattr(matrix_run, "prune_set", slow_removal)
+    monkeypatch.setattr(schedule, "prune_set", slow_removal)
     cell = Cell("3.12", "2.9.1", "0.19.2")
     reporter = progress.Reporter(total=1, live=False, heartbeat_s=0.5)
     reporter.line = line  # type: ignore[method-assign]
     with progress.reporting(reporter):
-        matrix_run._prune(Cache(tmp_path / "cache"), torch_set(cell), [cell])
+        schedule._prune(Cache(tmp_path / "cache"), torch_set(cell), [cell])
     assert sum(text.startswith(heading) for text in lines) >= 3, lines
 
 
 def test_benchmarking_a_reused_cell_reports_under_the_cells_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`nox -s bench` over finished cells: the heartbeats said `dsmatrix: benchmarks ...`, not which cell."""
-    from dsmatrix import matrix_run
-    from dsmatrix.cells import Cell, Selection
+    from dsmatrix.plan.cells import Cell, Selection
 
     cell = Cell("3.12", "2.9.1", "0.19.2")
     beat = f"{cell.label}: stock environment ... "
@@ -242,13 +241,13 @@ def test_benchmarking_a_reused_cell_reports_under_the_cells_name(tmp_path: Path,
         assert processes.run(_wait_for_file(release, 60)).returncode == 0, f"no heartbeat under the cell's name: {lines}"
         return result
 
-    monkeypatch.setattr(matrix_run, "add_benchmarks", benchmarks)
-    options = matrix_run.MatrixOptions("nightly", tmp_path, None, tmp_path / "results", None, Selection((cell,), {}), bench=object())  # type: ignore[arg-type]
-    plan = matrix_run.Plan({cell: "local"}, {cell: ""}, {cell: {"run_id": "20261203-000000-0000"}})
+    monkeypatch.setattr(schedule, "add_benchmarks", benchmarks)
+    options = schedule.MatrixOptions("nightly", tmp_path, None, tmp_path / "results", None, Selection((cell,), {}), bench=object())  # type: ignore[arg-type]
+    plan = schedule.Plan({cell: "local"}, {cell: ""}, {cell: {"run_id": "20261203-000000-0000"}})
     reporter = progress.Reporter(total=1, live=False, heartbeat_s=0.5)
     reporter.line = line  # type: ignore[method-assign]
     with progress.reporting(reporter):
-        matrix_run._reused(options, plan, cell, None)  # type: ignore[arg-type]
+        schedule._reused(options, plan, cell, None)  # type: ignore[arg-type]
     assert any(text.startswith(beat) for text in lines), lines
 
 

@@ -11,12 +11,12 @@ import pytest
 from conftest import REPO
 from stores import ARM_FIXED, ERRORED, EXCLUDED, FIXED, NOT_FIXED, PATCH, benchmarks, cell, pair, store
 
-from dsmatrix.cells import plan_cells
 from dsmatrix.cli import main
-from dsmatrix.errors import ConfigError, ResultsError
-from dsmatrix.hosts import native_platform
-from dsmatrix.matrix import load_matrix
-from dsmatrix.report import SCHEMA_FILE, TierPlan, load_report, write_report
+from dsmatrix.infra.errors import ConfigError, ResultsError
+from dsmatrix.infra.hosts import native_platform
+from dsmatrix.plan.cells import plan_cells
+from dsmatrix.plan.matrix import load_matrix
+from dsmatrix.report.qualification import SCHEMA_FILE, TierPlan, load_report, write_report
 
 EARLIER, LATER = 1_796_000_000.0, 1_796_000_001.0  # two runs' start, a second apart: their ids order them
 

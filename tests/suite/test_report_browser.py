@@ -11,7 +11,7 @@ import pytest
 from conftest import require
 from stores import ERRORED, EXCLUDED, FIXED, NOT_FIXED, store
 
-from dsmatrix.report import write_report
+from dsmatrix.report.qualification import write_report
 
 # Debian's chromium and chromium-driver (.ci/run installs them), or the Chrome and ChromeDriver of
 # GitHub's hosted runners (CHROMEWEBDRIVER names the driver's folder there).

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from stores import ERRORED, FIXED, PATCH, cell
 
-from dsmatrix.report import load_report, write_report
-from dsmatrix.results import import_cells, load_run, start_run
+from dsmatrix.infra.results import import_cells, load_run, start_run
+from dsmatrix.report.qualification import load_report, write_report
 
 
 def test_run_keeps_each_finished_cell_and_points_latest(tmp_path: Path) -> None:
@@ -64,8 +64,8 @@ def test_cells_from_an_image_are_imported_with_their_files(tmp_path: Path) -> No
 
 def test_resume_reuses_only_final_verdicts_of_the_same_fingerprint(tmp_path: Path) -> None:
     """fixed and not-fixed are final; undetected, error and interrupted always run again."""
-    from dsmatrix.matrix_run import FINAL, RESUME
-    from dsmatrix.results import find_finished
+    from dsmatrix.execute.schedule import FINAL, RESUME
+    from dsmatrix.infra.results import find_finished
 
     run = start_run(tmp_path / "results", {"patch": PATCH})
     for ds, verdict in (
@@ -89,9 +89,9 @@ def test_resume_reuses_only_final_verdicts_of_the_same_fingerprint(tmp_path: Pat
 def test_a_truncated_cell_file_is_never_reused_and_loading_says_which_file(tmp_path: Path) -> None:
     import pytest
 
-    from dsmatrix.errors import ResultsError
-    from dsmatrix.matrix_run import FINAL
-    from dsmatrix.results import find_finished
+    from dsmatrix.execute.schedule import FINAL
+    from dsmatrix.infra.errors import ResultsError
+    from dsmatrix.infra.results import find_finished
 
     run = start_run(tmp_path / "results", {"patch": PATCH})
     path = run.add_cell(cell("0.19.8", "fixed", ["ok"]))

@@ -8,10 +8,10 @@ import pytest
 from conftest import run_cli
 from deepspeed_repo import git
 
-from dsmatrix.cache import Cache
-from dsmatrix.cells import make_cell
-from dsmatrix.errors import ConfigError, UnknownVersionError
-from dsmatrix.sources import GitSource, changed_diff, resolve, source_tarball, split_spec
+from dsmatrix.build.sources import GitSource, changed_diff, resolve, source_tarball, split_spec
+from dsmatrix.infra.cache import Cache
+from dsmatrix.infra.errors import ConfigError, UnknownVersionError
+from dsmatrix.plan.cells import make_cell
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""What runs the builds: engine tests, DeepSpeed's own tests, benchmarks, one cell, a whole run."""

@@ -1,0 +1,1 @@
+"""Shared infrastructure: errors, locations, processes, progress, the cache, hosts, parallelism, results stores."""

@@ -1,0 +1,198 @@
+"""The results store: ``results/<run-id>/`` with one JSON per cell, JUnit XML per build, and
+``summary.json``; ``results/latest`` points at the newest run.
+
+Every file is written atomically (temporary file, then rename), and the summary is rewritten
+after each cell, so a crashed or interrupted run keeps every cell it finished. A run folder
+is created only once the run has passed its preflight checks: bad input leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsmatrix.infra.errors import ResultsError
+from dsmatrix.infra.hosts import describe
+
+SCHEMA = 1
+
+
+# Fault injection (the suite's own tests): "<file name>:<n>" kills this process with SIGKILL on the
+# n-th write of that file, after the temporary file is written and before it is renamed into place.
+KILL_AT_WRITE = "DSMATRIX_KILL_AT_WRITE"
+_writes: dict[str, int] = {}
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    _fault_point(path.name)
+    os.replace(tmp, path)
+
+
+def _fault_point(name: str) -> None:
+    target, _, nth = os.environ.get(KILL_AT_WRITE, "").partition(":")
+    if target == name:
+        _writes[name] = _writes.get(name, 0) + 1
+        if str(_writes[name]) == nth:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def import_cells(
+    staging: Path, run: Run, finish: Callable[[dict[str, Any]], dict[str, Any]], seen_as: Path | None = None
+) -> list[dict[str, Any]]:
+    """Add the finished cells of runs written elsewhere (a container) to ``run``, each through ``finish``.
+
+    Every JUnit file and log those runs wrote is copied into this run first (an errored cell's
+    log included), so every path a cell names resolves here; paths in reasons that the writer
+    saw under ``seen_as`` are rewritten to this run. Cells are added one by one, atomically.
+    """
+    added = []
+    for source in sorted(p for p in staging.iterdir() if p.is_dir() and not p.is_symlink()) if staging.is_dir() else []:
+        if (source / "raw").is_dir():
+            shutil.copytree(source / "raw", run.root / "raw", dirs_exist_ok=True)
+        for path in sorted((source / "cells").glob("*.json")):
+            try:
+                result = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue  # never finished: not a result
+            if seen_as is not None:
+                inside = f"{seen_as / source.name}/"
+                result["reasons"] = [r.replace(inside, f"{run.root}/") for r in result.get("reasons", [])]
+            result = finish(result)
+            run.add_cell(result)
+            added.append(result)
+    return added
+
+
+@dataclass
+class Run:
+    """One run's folder; cells are added as they finish."""
+
+    root: Path
+    meta: dict[str, Any]
+    cells: list[dict[str, Any]] = field(default_factory=list)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)  # cells finish in several threads
+
+    @property
+    def id(self) -> str:
+        return self.root.name
+
+    def add_cell(self, result: dict[str, Any]) -> Path:
+        result = {**result, "run_id": self.id}
+        path = self.root / "cells" / f"{result['cell']['id']}.json"
+        with self._lock:
+            write_json(path, result)
+            self.cells.append(result)
+            self.write_summary("running")
+        return path
+
+    def write_summary(self, status: str) -> None:
+        with self._lock:
+            self._write_summary(status)
+
+    def _write_summary(self, status: str) -> None:
+        write_json(
+            self.root / "summary.json",
+            {
+                "schema": SCHEMA,
+                "run_id": self.id,
+                "status": status,
+                **self.meta,
+                "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "cells": [
+                    {
+                        "id": c["cell"]["id"],
+                        "label": c["cell"]["label"],
+                        "verdict": c["verdict"],
+                        "reasons": c["reasons"],
+                        "file": f"cells/{c['cell']['id']}.json",
+                    }
+                    for c in self.cells
+                ],
+            },
+        )
+
+
+def start_run(results: Path, meta: dict[str, Any], now: Callable[[], float] = time.time) -> Run:
+    """Create ``results/<run-id>/`` (the UTC second ``now()`` gives, and a random tag) and point ``results/latest`` at it."""
+    run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now())) + "-" + secrets.token_hex(2)
+    root = results / run_id
+    root.mkdir(parents=True)
+    run = Run(root, {**meta, "host": describe()})
+    run.write_summary("running")
+    latest = results / "latest"
+    tmp = results / f".latest.{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(run_id)
+    os.replace(tmp, latest)
+    return run
+
+
+def cell_result_skeleton(cell: Any, fingerprint: str, verdict: str, reason: str) -> dict[str, Any]:
+    """The one constructor of a cell result (``pipeline.run_cell`` fills in builds, tests and
+    timings); as it is, a cell that never finished: ``interrupted``, or ``error`` when its
+    container did not bring it back."""
+    return {
+        "schema": SCHEMA,
+        "fingerprint": fingerprint,
+        "cell": {**cell.as_dict(), "label": cell.label},
+        "verdict": verdict,
+        "reasons": [reason],
+        "builds": {},
+        "timings": {},
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def find_finished(results: Path, fingerprint: str, verdicts: tuple[str, ...]) -> dict[str, Any] | None:
+    """The newest earlier cell result with this fingerprint and one of ``verdicts``, if any
+    (unreadable files are skipped: a result is reused only when it is whole)."""
+    found = []
+    for path in results.glob("*/cells/*.json"):
+        if path.parent.parent.name == "latest":
+            continue
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(result, dict) and result.get("fingerprint") == fingerprint and result.get("verdict") in verdicts:
+            found.append((result.get("finished_at", ""), result))
+    return max(found, key=lambda item: item[0])[1] if found else None
+
+
+def read_result_file(path: Path, required: tuple[str, ...]) -> dict[str, Any]:
+    """One JSON file of a results store, whole and of this suite, or a one-line ResultsError."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ResultsError(f"{path}: cannot read: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ResultsError(f"{path}: truncated or not JSON ({exc}); re-run the cell or delete the file") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or any(k not in data for k in required):
+        missing = [k for k in required if not isinstance(data, dict) or k not in data]
+        why = f"schema {data.get('schema')!r}, expected {SCHEMA}" if isinstance(data, dict) and data.get("schema") != SCHEMA else ""
+        raise ResultsError(f"{path}: not a dsmatrix result ({why or 'missing ' + ', '.join(missing)})")
+    return data
+
+
+def load_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A run's summary and its cell results, read from disk (``path`` may be ``latest``)."""
+    summary_path = path / "summary.json"
+    if not summary_path.is_file():
+        raise ResultsError(f"{path}: no summary.json (run `nox -s matrix` first)")
+    summary = read_result_file(summary_path, ("run_id", "status", "cells", "patch"))
+    cells = [read_result_file(path / c["file"], ("cell", "verdict", "reasons")) for c in summary["cells"]]
+    return summary, cells

@@ -1,0 +1,1 @@
+"""Verdicts, and nothing else: test outcomes read from JUnit, cell verdicts, throughput verdicts, the headline."""

@@ -1,0 +1,1 @@
+"""The qualification report: stores merged, rendered as Markdown, HTML and JSON, with plots."""
