@@ -18,23 +18,32 @@ from pathlib import Path
 from typing import Any
 
 from dsmatrix import __version__
-from dsmatrix.build.images import IMAGES, build_images, docker_engine, image_for, inside_view
+from dsmatrix.build.images import IMAGES, build_images, image_for
 from dsmatrix.build.patches import PatchSet, load_patch_set, pr_change
-from dsmatrix.build.sources import GitSource, changed_diff, is_git, resolve, split_spec
+from dsmatrix.build.sources import changed_diff, resolve
+from dsmatrix.execute.benchmarks import BenchOptions
 from dsmatrix.execute.deepspeed_tests import load_selection
-from dsmatrix.execute.instructions import DEFAULT_MARGIN as DEFAULT_INSTRUCTIONS_MARGIN
-from dsmatrix.execute.schedule import INTERRUPTED_EXIT, MatrixOptions, interrupts_raise, plan_run, run_matrix
-from dsmatrix.execute.step_time import DEFAULT_MARGIN, DEFAULT_MAX_ROUNDS, DEFAULT_MINUTES, BenchOptions
+from dsmatrix.execute.in_image import inside_view
+from dsmatrix.execute.schedule import MatrixOptions, interrupts_raise, plan_run, run_matrix
+from dsmatrix.execute.step_time import DEFAULT_MAX_ROUNDS, DEFAULT_MINUTES
 from dsmatrix.infra import progress
 from dsmatrix.infra.cache import Cache, default_root
+from dsmatrix.infra.docker_engine import docker_engine
 from dsmatrix.infra.errors import ConfigError, FatalError, InterpreterNotFound, UnknownVersionError
 from dsmatrix.infra.hosts import native_platform
 from dsmatrix.infra.locations import default_matrix, default_patch, project_root
 from dsmatrix.infra.parallel import SIDE_BY_SIDE
+from dsmatrix.judge.headline import passes
+from dsmatrix.judge.instructions import DEFAULT_MARGIN as DEFAULT_INSTRUCTIONS_MARGIN
+from dsmatrix.judge.step_time import DEFAULT_MARGIN
+from dsmatrix.judge.throughput import STEP, UNMEASURED
+from dsmatrix.judge.verdict import FIXED, INTERRUPTED_EXIT
 from dsmatrix.plan.cells import Cell, Selection, plan_cells
 from dsmatrix.plan.disk import LOW_DISK
+from dsmatrix.plan.git_source import GitSource, is_git, split_spec
 from dsmatrix.plan.matrix import CELL_AXES, RUNTIME_AXES, Matrix, load_matrix
-from dsmatrix.report.qualification import TierPlan, load_report, passes, write_report
+from dsmatrix.report.qualification import load_report, write_report
+from dsmatrix.report.stores import TierPlan
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -55,7 +64,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--deepspeed-tests",
         default="core",
         metavar="SET",
-        help="git sources: which of DeepSpeed's own tests run on both builds (dsmatrix/payload/deepspeed_tests/selection.toml: core, quick, full; none)",
+        help="git sources: the set of DeepSpeed's own tests run on both builds (core, quick, full, or none)",
     )
     matrix.add_argument("--results", type=Path, default=Path("results"))
     matrix.add_argument("--cache-dir", type=Path, default=default_root())
@@ -176,7 +185,7 @@ def _patch(args: argparse.Namespace, root: Path | None, selection: Selection, ca
             raise ConfigError(f"--patch {args.patch} with --head: PR mode applies no diff (the head commit carries the change)")
         (source,) = pr
         assert source.head is not None
-        return pr_change(changed_diff(source, cache), source.base.commit, source.head.commit, cache.root / "git" / "changes")
+        return pr_change(changed_diff(source, cache), source.base.commit, source.head.commit, cache.git_changes())
     return load_patch_set((args.patch or default_patch(root)).resolve())
 
 
@@ -275,7 +284,7 @@ def matrix_options(args: argparse.Namespace) -> MatrixOptions:
         base_image=args.base_image,
         bench=bench,
         image_argv=tuple(_selection_argv(args, bench)),
-        own_tests=args.deepspeed_tests,
+        deepspeed_tests=args.deepspeed_tests,
         jobs=_jobs(args.jobs),
         low_disk=args.low_disk,
         side_by_side=args.side_by_side,
@@ -323,10 +332,10 @@ def command_matrix(args: argparse.Namespace) -> int:
     outcome = run_matrix(options, plan, _print_result, meta)
     if outcome.interrupted:
         return outcome.exit_code
-    throughput = [(c.get("benchmarks") or {}).get("verdict") for c in outcome.run.cells]
-    counted = {v: throughput.count(v) for v in dict.fromkeys(t for t in throughput if t)}
+    throughput = [v for v in outcome.throughput.values() if v != UNMEASURED]
+    counted = {v: throughput.count(v) for v in dict.fromkeys(throughput)}
     measured = "; throughput: " + ", ".join(f"{n} {v}" for v, n in counted.items()) if counted else ""
-    fixed = sum(v == "fixed" for v in outcome.verdicts)
+    fixed = sum(v == FIXED for v in outcome.verdicts)
     print(f"dsmatrix: {fixed}/{len(outcome.verdicts)} cell(s) fixed{measured}; summary: {outcome.run.root / 'summary.json'}")
     return outcome.exit_code
 
@@ -351,7 +360,7 @@ def _print_benchmarks(result: dict[str, Any]) -> None:
     if counts.get("comparisons"):
         print(f"    instructions: {counts['verdict']}, A/A calibration {counts['calibration']} ({counts['duration_s']:.0f} s)")
         for c in counts["comparisons"]:
-            judged = c["verdict"] if c["kind"] == "step" else "reported, not judged"
+            judged = c["verdict"] if c["kind"] == STEP else "reported, not judged"
             print(f"      patched/stock {c['benchmark']}: {c['ratio']:.5f} (A/A {c['aa']:.5f}) {judged}")
     elif counts:
         print(f"    instructions: {counts['verdict']} ({counts.get('reason', '')})")

@@ -8,17 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsmatrix.execute.step_time import (
-    INCONCLUSIVE,
-    NO_REGRESSION,
-    NOT_MEASURED,
-    REGRESSION,
-    RELEASE_PATH,
-    STEP,
-    compare,
-    decide,
-    throughput_verdict,
-)
+from dsmatrix.judge.step_time import compare, decide, throughput_verdict
+from dsmatrix.judge.throughput import INCONCLUSIVE, NO_REGRESSION, NOT_MEASURED, REGRESSION, RELEASE_PATH, STEP
 
 
 def rounds(center: float, spread: float, n: int, seed: int) -> list[float]:
@@ -75,7 +66,7 @@ def test_release_path_is_reported_but_does_not_judge_the_cell() -> None:
 
 
 def test_the_certifiable_margin_is_the_widest_a_a_step_upper_bound() -> None:
-    from dsmatrix.execute.step_time import certifiable_margin
+    from dsmatrix.judge.step_time import certifiable_margin
 
     tight = compare("test_train_step[a]", rounds(0.100, 0.003, 8, 1), rounds(0.100, 0.003, 8, 2))
     loose = compare("test_train_step[b]", rounds(0.100, 0.03, 8, 1), rounds(0.100, 0.03, 8, 2))
@@ -89,7 +80,7 @@ def test_the_sequential_interval_keeps_its_coverage_under_repeated_looks() -> No
     over 200 simulated A/A runs with a true ratio of exactly the margin's edge (1.02), the rule
     may call no-regression (a wrong decision) in at most 5% of them; a fixed-size 95% t interval
     looked at this often would be wrong far more often."""
-    from dsmatrix.execute.step_time import ratio_interval
+    from dsmatrix.judge.step_time import ratio_interval
 
     rng = np.random.default_rng(7)
     wrong = 0
@@ -105,7 +96,7 @@ def test_the_sequential_interval_keeps_its_coverage_under_repeated_looks() -> No
 
 
 def test_the_cell_verdict_uses_instructions_and_any_decided_regression() -> None:
-    from dsmatrix.execute.step_time import cell_throughput
+    from dsmatrix.judge.throughput import cell_throughput
 
     counted = {"verdict": NO_REGRESSION, "calibration": "pass"}
     assert cell_throughput(INCONCLUSIVE, NO_REGRESSION, counted) == (NO_REGRESSION, "instructions")

@@ -36,9 +36,9 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("git-runs")
 
 
-def matrix(work: Path, name: str, *args: str, own_tests: str = "quick") -> tuple[subprocess.CompletedProcess[str], dict]:
+def matrix(work: Path, name: str, *args: str, deepspeed_tests: str = "quick") -> tuple[subprocess.CompletedProcess[str], dict]:
     results = work / name
-    proc = run_cli("matrix", "--tier", "smoke", "--deepspeed-tests", own_tests, "--results", str(results), *args, cwd=work)
+    proc = run_cli("matrix", "--tier", "smoke", "--deepspeed-tests", deepspeed_tests, "--results", str(results), *args, cwd=work)
     (cell,) = [json.loads(p.read_text()) for p in (results / "latest" / "cells").glob("*.json")]
     return proc, cell
 
@@ -62,7 +62,8 @@ def test_patch_mode_on_master(deepspeed_repo: Path, work: Path) -> None:
 def test_pr_mode_gives_the_verdict_of_patch_mode(deepspeed_repo: Path, work: Path) -> None:
     base, head = git(deepspeed_repo, "rev-parse", "master"), git(deepspeed_repo, "rev-parse", "fix")
     # DeepSpeed's own tests ran in patch mode (and the act test of qualify-pr.yml runs them in PR mode)
-    proc, cell = matrix(work, "pr-mode", "--deepspeed", f"git:{deepspeed_repo}", "--base", "master", "--head", "fix", own_tests="none")
+    pr_mode = ("--deepspeed", f"git:{deepspeed_repo}", "--base", "master", "--head", "fix")
+    proc, cell = matrix(work, "pr-mode", *pr_mode, deepspeed_tests="none")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     assert cell["verdict"] == "fixed" and cell["patch"]["pr"] == f"{base}..{head}"
     assert cell["builds"]["patched"]["build_info"]["git"]["commit"] == head
@@ -77,7 +78,7 @@ def test_pr_mode_gives_the_verdict_of_patch_mode(deepspeed_repo: Path, work: Pat
 
 def test_a_harmful_pr_is_caught_and_named(deepspeed_repo: Path, work: Path) -> None:
     args = ("--deepspeed", f"git:{deepspeed_repo}", "--base", "master", "--head", "never-release")
-    proc, cell = matrix(work, "harmful", *args, own_tests="none")  # ours catch it; DeepSpeed's do not (docs/measurements.md)
+    proc, cell = matrix(work, "harmful", *args, deepspeed_tests="none")  # ours catch it; DeepSpeed's do not (docs/measurements.md)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
     assert cell["verdict"] == "not-fixed", cell["reasons"]
     engine = [r for r in cell["reasons"] if r.startswith(("patched failed", "patched error", "patched behaves differently"))]

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dsmatrix.build.images import IMAGES, _image_tarball, _local_source_dirs, debian_mirror, ensure_emulation, image_for
+from dsmatrix.build.images import IMAGES, _image_tarball, debian_mirror, ensure_emulation, image_for
+from dsmatrix.execute.in_image import _local_source_dirs
 from dsmatrix.infra.errors import ConfigError, EmulationUnavailable
 from dsmatrix.infra.hosts import decode_hwcaps, describe, is_emulated, native_platform
 
@@ -139,17 +140,17 @@ def test_docker_errors_inside_the_engine_block_are_one_line(tmp_path: Path, monk
     """An API error while using an answering engine is a HostError line, and no daemon is started for it."""
     import docker
 
-    from dsmatrix.build import images
+    from dsmatrix.infra import docker_engine
     from dsmatrix.infra.errors import DockerUnavailable
 
     class Answering:
         def ping(self) -> bool:
             return True
 
-    monkeypatch.setattr(images, "_client", Answering)
-    monkeypatch.setattr(images.subprocess, "Popen", lambda *a, **k: pytest.fail("no daemon may be started"))
+    monkeypatch.setattr(docker_engine, "new_client", Answering)
+    monkeypatch.setattr(docker_engine.subprocess, "Popen", lambda *a, **k: pytest.fail("no daemon may be started"))
     with pytest.raises(DockerUnavailable, match="docker: ImageNotFound: no such image"):
-        with images.docker_engine(tmp_path):
+        with docker_engine.docker_engine(tmp_path):
             raise docker.errors.ImageNotFound("no such image")
 
 
@@ -158,7 +159,7 @@ def test_the_suites_daemon_is_shared_and_stopped_by_its_last_user(tmp_path: Path
     The daemon and run B are real processes (sleep), the docker API is not needed for the rule."""
     import subprocess
 
-    from dsmatrix.build import images
+    from dsmatrix.infra import docker_engine
     from dsmatrix.infra.processes import start_time
 
     daemon = subprocess.Popen(["sleep", "300"])
@@ -170,31 +171,31 @@ def test_the_suites_daemon_is_shared_and_stopped_by_its_last_user(tmp_path: Path
         answering.append(object())
         return answering[0]
 
-    monkeypatch.setattr(images, "_answering_client", lambda: answering[0] if answering else None)
-    monkeypatch.setattr(images, "_start_daemon", start)
+    monkeypatch.setattr(docker_engine, "_answering_client", lambda: answering[0] if answering else None)
+    monkeypatch.setattr(docker_engine, "_start_daemon", start)
     (tmp_path / "users").mkdir()
     (tmp_path / "users" / f"{other_run.pid}.json").write_text(json.dumps({"pid": other_run.pid, "start": start_time(other_run.pid)}))
-    with images.docker_engine(tmp_path) as client:  # run A: nothing answers, it starts the daemon
+    with docker_engine.docker_engine(tmp_path) as client:  # run A: nothing answers, it starts the daemon
         assert client is answering[0]
     assert daemon.poll() is None, "run B still uses the daemon: A must not stop it"
     other_run.kill()
     other_run.wait()
-    with images.docker_engine(tmp_path):  # run C: the daemon answers and is the suite's: C registers
+    with docker_engine.docker_engine(tmp_path):  # run C: the daemon answers and is the suite's: C registers
         pass
     assert daemon.wait(timeout=30) is not None, "the last user must stop the suite's daemon"
     assert not (tmp_path / "daemon.json").exists() and not list((tmp_path / "users").glob("*.json"))
 
 
 def test_an_engine_the_suite_did_not_start_is_never_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dsmatrix.build import images
+    from dsmatrix.infra import docker_engine
 
     class Answering:
         def ping(self) -> bool:
             return True
 
-    monkeypatch.setattr(images, "_answering_client", Answering)
-    monkeypatch.setattr(images, "_stop_daemon", lambda state_dir: pytest.fail("a foreign engine was stopped"))
-    with images.docker_engine(tmp_path):
+    monkeypatch.setattr(docker_engine, "_answering_client", Answering)
+    monkeypatch.setattr(docker_engine, "_stop_daemon", lambda state_dir: pytest.fail("a foreign engine was stopped"))
+    with docker_engine.docker_engine(tmp_path):
         pass
     assert not list((tmp_path / "users").glob("*.json"))
 

@@ -8,10 +8,11 @@ import pytest
 
 from dsmatrix.build.patches import load_patch_set
 from dsmatrix.execute import schedule
-from dsmatrix.execute.cell import fingerprint, suite_digest
-from dsmatrix.execute.engine_tests import remove_shm_buffers
+from dsmatrix.execute.launch import remove_shm_buffers
+from dsmatrix.execute.reuse import fingerprint, suite_digest
 from dsmatrix.infra.cache import Cache
 from dsmatrix.infra.errors import DiskSpaceError
+from dsmatrix.infra.hosts import LOCAL
 from dsmatrix.plan.cells import Cell
 from dsmatrix.plan.disk import GIB, grouped, plan_disk, prune_set, set_entries, torch_set, tree_gib, uv_cache
 
@@ -101,7 +102,7 @@ def test_only_our_ports_shm_buffers_are_removed(tmp_path: Path) -> None:
 def test_rendezvous_ports_stay_below_the_ephemeral_range() -> None:
     """Ports the kernel hands out to connections are never picked, so three benchmark processes
     starting together cannot take each other's rendezvous port (seen: EADDRINUSE)."""
-    from dsmatrix.execute.engine_tests import _ephemeral_ports, free_port
+    from dsmatrix.execute.launch import _ephemeral_ports, free_port
 
     low, _ = _ephemeral_ports()
     ports = {free_port() for _ in range(20)}
@@ -116,8 +117,9 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 
 def test_stock_results_are_run_once_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Validating several patches runs the stock tests once; ``reuse=False`` (``--fresh``) runs them again."""
-    from dsmatrix.execute import cell as pipeline
-    from dsmatrix.execute.engine_tests import TestRun
+    from dsmatrix.execute import reuse
+    from dsmatrix.execute.prepare import PreparedBuild
+    from dsmatrix.judge.outcomes import TestRun, outcomes_from_junits
 
     calls = []
 
@@ -127,20 +129,20 @@ def test_stock_results_are_run_once_and_reused(tmp_path: Path, monkeypatch: pyte
         junit.write_text(JUNIT)
         log.write_text("log\n")
         calls.append(out)
-        return TestRun(pipeline.outcomes_from_junits([junit]), 1.5, (junit,), (log,))
+        return TestRun(outcomes_from_junits([junit]), 1.5, (junit,), (log,))
 
-    monkeypatch.setattr(pipeline, "run_engine_tests", fake_run)
+    monkeypatch.setattr(reuse, "run_engine_tests", fake_run)
     cell = Cell("3.11", "2.13.0+cpu", "0.19.8")
-    build = pipeline.PreparedBuild(tmp_path / "python", tmp_path / "ext", "w.whl", {"wheel_sha256": "ab" * 32}, {}, [])
-    first, reused = pipeline.stock_tests(cell, build, dict(RUNTIME), Cache(tmp_path / "cache"), tmp_path / "run1" / "raw", reuse=True)
+    build = PreparedBuild(tmp_path / "python", tmp_path / "ext", "w.whl", {"wheel_sha256": "ab" * 32}, {}, [])
+    first, reused = reuse.stock_tests(cell, build, dict(RUNTIME), Cache(tmp_path / "cache"), tmp_path / "run1" / "raw", reuse=True)
     assert reused == "" and len(calls) == 1
-    second, reused = pipeline.stock_tests(cell, build, dict(RUNTIME), Cache(tmp_path / "cache"), tmp_path / "run2" / "raw", reuse=True)
+    second, reused = reuse.stock_tests(cell, build, dict(RUNTIME), Cache(tmp_path / "cache"), tmp_path / "run2" / "raw", reuse=True)
     assert reused == "run1" and len(calls) == 1
     assert second.outcomes == first.outcomes and second.outcomes["test_retrace::test_a[fp32-ckpt-off]@ws1"].observed
     assert all(p.parent == tmp_path / "run2" / "raw" and p.is_file() for p in (*second.junits, *second.logs))
-    pipeline.stock_tests(cell, build, dict(RUNTIME), Cache(tmp_path / "cache"), tmp_path / "run3" / "raw", reuse=False)
-    other = pipeline.PreparedBuild(tmp_path / "python", tmp_path / "ext", "w.whl", {"wheel_sha256": "cd" * 32}, {}, [])
-    pipeline.stock_tests(cell, other, dict(RUNTIME), Cache(tmp_path / "cache"), tmp_path / "run4" / "raw", reuse=True)
+    reuse.stock_tests(cell, build, dict(RUNTIME), Cache(tmp_path / "cache"), tmp_path / "run3" / "raw", reuse=False)
+    other = PreparedBuild(tmp_path / "python", tmp_path / "ext", "w.whl", {"wheel_sha256": "cd" * 32}, {}, [])
+    reuse.stock_tests(cell, other, dict(RUNTIME), Cache(tmp_path / "cache"), tmp_path / "run4" / "raw", reuse=True)
     assert len(calls) == 3
 
 
@@ -167,7 +169,7 @@ def test_low_disk_mode_prunes_a_set_before_the_next_sets_cells_start(tmp_path: P
     selection = Selection(tuple(NIGHTLY_LIKE), RUNTIME)
     options = schedule.MatrixOptions("nightly", tmp_path, None, tmp_path / "results", cache, selection)
     todo = grouped(NIGHTLY_LIKE)
-    plan = schedule.Plan({c: "local" for c in todo}, dict.fromkeys(todo, ""), {}, plan_disk(todo, cache, "on", 2), 2, todo=todo)
+    plan = schedule.Plan({c: LOCAL for c in todo}, dict.fromkeys(todo, ""), {}, plan_disk(todo, cache, "on", 2), 2, todo=todo)
     schedule._run_local_cells(options, plan, None, {}, lambda *a: None)  # type: ignore[arg-type]
     sets = list(dict.fromkeys(torch_set(c) for c in todo))
     assert events == [e for key in sets for e in [("start", key)] * sum(torch_set(c) == key for c in todo) + [("prune", key)]]
@@ -192,7 +194,7 @@ def test_a_set_with_one_cell_runs_its_builds_side_by_side(tmp_path: Path, monkey
     selection = Selection(tuple(NIGHTLY_LIKE), RUNTIME)
     options = schedule.MatrixOptions("nightly", tmp_path, None, tmp_path / "results", Cache(tmp_path), selection)
     todo = grouped(NIGHTLY_LIKE)
-    plan = schedule.Plan({c: "local" for c in todo}, dict.fromkeys(todo, ""), {}, plan_disk(todo, Cache(tmp_path), "on", 2), 2, todo=todo)
+    plan = schedule.Plan({c: LOCAL for c in todo}, dict.fromkeys(todo, ""), {}, plan_disk(todo, Cache(tmp_path), "on", 2), 2, todo=todo)
     schedule._run_local_cells(options, plan, None, {}, lambda *a: None)  # type: ignore[arg-type]
     alone = {c for c in todo if sum(torch_set(o) == torch_set(c) for o in todo) == 1}
     assert alone == {Cell("3.11", "2.13.0+cpu", "0.19.8")}
@@ -219,7 +221,7 @@ def test_a_running_summary_keeps_the_disk_peak_so_far(tmp_path: Path, monkeypatc
     selection = Selection(tuple(cells), RUNTIME)
     (tmp_path / "cache").mkdir()
     options = schedule.MatrixOptions("nightly", tmp_path, patch, tmp_path / "results", Cache(tmp_path / "cache"), selection)
-    plan = schedule.Plan({c: "local" for c in cells}, dict.fromkeys(cells, ""), {}, jobs=1, todo=list(cells))
+    plan = schedule.Plan({c: LOCAL for c in cells}, dict.fromkeys(cells, ""), {}, jobs=1, todo=list(cells))
     schedule.run_matrix(options, plan, say, {"tier": "nightly"})
     assert summaries[0]["status"] == "running" and len(summaries[0]["cells"]) == 1
     assert summaries[0]["disk"]["peak_above_start_gib"] >= 0, "written with the first finished cell"
@@ -228,7 +230,7 @@ def test_a_running_summary_keeps_the_disk_peak_so_far(tmp_path: Path, monkeypatc
 def test_ranks_get_a_jit_lock_folder_only_where_ccache_compiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With ccache, the engine tests build the comm op in turn (so the second environment is a
     ccache hit); without it there is nothing to share and no lock."""
-    import dsmatrix.execute.engine_tests as run
+    import dsmatrix.execute.launch as run
 
     python = tmp_path / "env" / "bin" / "python"
     monkeypatch.setenv("CCACHE_DIR", str(tmp_path / "ccache"))

@@ -17,6 +17,7 @@ from conftest import tagged_processes
 from dsmatrix.execute import schedule
 from dsmatrix.execute.engine_tests import probe_of_tests
 from dsmatrix.infra import parallel, processes, progress
+from dsmatrix.infra.hosts import LOCAL
 
 
 def _wait_for_file(path: Path, limit_s: float = 120) -> list[str]:
@@ -243,7 +244,7 @@ def test_benchmarking_a_reused_cell_reports_under_the_cells_name(tmp_path: Path,
 
     monkeypatch.setattr(schedule, "add_benchmarks", benchmarks)
     options = schedule.MatrixOptions("nightly", tmp_path, None, tmp_path / "results", None, Selection((cell,), {}), bench=object())  # type: ignore[arg-type]
-    plan = schedule.Plan({cell: "local"}, {cell: ""}, {cell: {"run_id": "20261203-000000-0000"}})
+    plan = schedule.Plan({cell: LOCAL}, {cell: ""}, {cell: {"run_id": "20261203-000000-0000"}})
     reporter = progress.Reporter(total=1, live=False, heartbeat_s=0.5)
     reporter.line = line  # type: ignore[method-assign]
     with progress.reporting(reporter):

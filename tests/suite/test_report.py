@@ -16,7 +16,8 @@ from dsmatrix.infra.errors import ConfigError, ResultsError
 from dsmatrix.infra.hosts import native_platform
 from dsmatrix.plan.cells import plan_cells
 from dsmatrix.plan.matrix import load_matrix
-from dsmatrix.report.qualification import SCHEMA_FILE, TierPlan, load_report, write_report
+from dsmatrix.report.qualification import SCHEMA_FILE, load_report, write_report
+from dsmatrix.report.stores import TierPlan
 
 EARLIER, LATER = 1_796_000_000.0, 1_796_000_001.0  # two runs' start, a second apart: their ids order them
 

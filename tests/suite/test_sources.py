@@ -8,10 +8,11 @@ import pytest
 from conftest import run_cli
 from deepspeed_repo import git
 
-from dsmatrix.build.sources import GitSource, changed_diff, resolve, source_tarball, split_spec
+from dsmatrix.build.sources import changed_diff, resolve, source_tarball
 from dsmatrix.infra.cache import Cache
 from dsmatrix.infra.errors import ConfigError, UnknownVersionError
 from dsmatrix.plan.cells import make_cell
+from dsmatrix.plan.git_source import GitSource, split_spec
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from dsmatrix.execute.engine_tests import TestOutcome
+from dsmatrix.judge.outcomes import TestOutcome
 from dsmatrix.judge.verdict import cell_verdict, exit_code
 
 BUGS = {"t::lifecycle": "lifecycle", "t::retrace": "retrace", "t::recompute": "recompute"}
@@ -90,7 +90,7 @@ def test_a_difference_from_stock_is_named_as_behaviour_before_any_broken_test() 
 
 
 def test_rank_evidence_needs_every_failing_rank_to_have_seen_the_bug() -> None:
-    from dsmatrix.execute.engine_tests import merge_ranks
+    from dsmatrix.judge.outcomes import merge_ranks
 
     seen = TestOutcome("failed", bug="retrace", message="differs", observed="{}")
     harness = TestOutcome("failed", bug="retrace", message="harness")
@@ -139,7 +139,7 @@ def test_exit_code_only_zero_when_all_fixed() -> None:
 
 
 def test_ranks_merge_to_the_worst_outcome_and_name_the_rank() -> None:
-    from dsmatrix.execute.engine_tests import merge_ranks
+    from dsmatrix.judge.outcomes import merge_ranks
 
     rank0 = {"t::a": TestOutcome("passed", bug="retrace"), "t::b": TestOutcome("skipped", message="n/a"), "t::c": TestOutcome("passed")}
     rank1 = {"t::a": TestOutcome("failed", bug="retrace", message="differs"), "t::b": TestOutcome("skipped", message="n/a")}
@@ -169,7 +169,7 @@ def test_a_stock_error_is_never_evidence_in_the_verdict_nor_in_the_grid() -> Non
 
 def test_the_report_grid_reads_its_states_from_verdict(tmp_path) -> None:
     """The stored outcome dicts read back give the same state as the outcomes they were made from."""
-    from dsmatrix.execute.engine_tests import outcome_dict, outcome_from_dict
+    from dsmatrix.judge.outcomes import outcome_dict, outcome_from_dict
     from dsmatrix.judge.verdict import test_state
 
     stock, patched = outcomes(), outcomes(**PATCHED_OK)

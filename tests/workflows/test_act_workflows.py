@@ -108,6 +108,6 @@ def test_qualify_pr_workflow_on_a_local_pr(act: Act, tmp_path: Path, skipped_job
     evidence = cell["evidence"]
     assert evidence["git"]["base"]["commit"] == base and evidence["git"]["head"]["commit"] == head
     assert evidence["coverage"]["executed_lines"] == evidence["coverage"]["changed_lines"] > 0
-    assert evidence["own_tests"]["patched"]["passed"] > 0 and not evidence["own_tests"]["regressions"]
+    assert evidence["deepspeed_tests"]["patched"]["passed"] > 0 and not evidence["deepspeed_tests"]["regressions"]
     markdown = (uploaded.parent / "qualification.md").read_text()
     assert "## Evidence without a GPU" in markdown and head in markdown

@@ -21,13 +21,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsmatrix.infra import processes, progress
-from dsmatrix.infra.cache import Cache, materialise
-from dsmatrix.plan.cells import Cell
 from dsmatrix.build.environments import Environment, ensure_environment, find_interpreter
-from dsmatrix.infra.errors import BuildError, UnknownVersionError
 from dsmatrix.build.patches import PatchSet, apply_diff
 from dsmatrix.build.sources import source_tarball
+from dsmatrix.infra import processes, progress
+from dsmatrix.infra.cache import Cache, materialise
+from dsmatrix.infra.errors import BuildError, UnknownVersionError
+from dsmatrix.plan.cells import Cell
 
 SDIST = "deepspeed-{}.tar.gz"
 BUILD_REQUIREMENTS = ("setuptools", "wheel", "pip", "packaging", "ninja", "numpy", "py-cpuinfo", "psutil")

@@ -23,16 +23,21 @@ from __future__ import annotations
 import ast
 import json
 import re
+import shutil
 import subprocess
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from unidiff import PatchSet as UnifiedDiff
 
+from dsmatrix.build.patches import PatchSet
+from dsmatrix.judge.outcomes import TestOutcome
+from dsmatrix.plan.cells import Cell
+
 PACKAGE_PREFIX = "deepspeed/"
-REQUIREMENT = "coverage>=7.10"  # patch = fork and _exit
 
 
 @dataclass(frozen=True)
@@ -239,3 +244,40 @@ def summary_line(measured: Mapping[str, object]) -> str:
 
 def dump(measured: Mapping[str, object], path: Path) -> None:
     path.write_text(json.dumps(measured, indent=2))
+
+
+@dataclass
+class ChangeCoverage:
+    """Changed-line coverage of one cell's patched build: the change's hunks, the coverage.py
+    configs the patched test runs start with, and the data they leave."""
+
+    hunks: list[Hunk]
+    other: list[str]
+    root: Path
+    data: Path
+
+    @classmethod
+    def prepare(cls, cell: Cell, patch: PatchSet, python: Path, run_root: Path) -> ChangeCoverage:
+        """The change's hunks, measured in the patched build whose interpreter is ``python``."""
+        hunks, other = changed_hunks(patch.diff_for(cell.deepspeed).read_text(errors="replace"))
+        data = run_root / "coverage" / cell.id
+        shutil.rmtree(data, ignore_errors=True)
+        return cls(hunks, other, package_root(python), data)
+
+    def env(self, context: str) -> dict[str, str]:
+        """The environment variable that makes every process of a patched test run measure the change."""
+        files = sorted({h.file for h in self.hunks})
+        return {"COVERAGE_PROCESS_START": str(rcfile(self.data / f"{context}.coveragerc", self.data, self.root, files, context))}
+
+    def measure(self, compared: Mapping[str, TestOutcome]) -> dict[str, Any]:
+        """Changed lines and branches; branches count only in the test functions of ``compared``
+        (the reference tests, whose patched behaviour was compared with stock's)."""
+        functions = [_test_function(test) for test, outcome in compared.items() if outcome.reference == "stock"]
+        return measure(self.data, self.root, self.hunks, self.other, functions)
+
+
+def _test_function(test_id: str) -> str:
+    """``module.function`` (coverage.py's test-function context) of ``path/module.py::function[params]@ws1``."""
+    module, _, name = test_id.partition("::")
+    function = re.split(r"[\[@]", name, maxsplit=1)[0]
+    return f"{module.rsplit('/', 1)[-1].removesuffix('.py')}.{function}"

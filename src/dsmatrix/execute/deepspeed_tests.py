@@ -15,21 +15,18 @@ from NUMA nodes, one here), so their two-rank tests run as two CPU ranks instead
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dsmatrix.execute.engine_tests import PYTEST_OK, TestOutcome, TestRun, read_junit, test_environment
-from dsmatrix.infra import processes
-from dsmatrix.infra.errors import ConfigError, RunError
+from dsmatrix.execute.launch import Job, supervise, test_environment
+from dsmatrix.infra.errors import ConfigError
 from dsmatrix.infra.locations import suite_path
+from dsmatrix.judge.outcomes import PYTEST_OK, TestRun, read_junit
 
 SELECTION_FILE = "selection.toml"
-# Their requirements-dev.txt pins pytest below 8.4; pytest-forked and pytest-xdist run them as their workflow does.
-REQUIREMENTS = ("pytest>=7.2.0,<8.4.0", "pytest-forked", "pytest-xdist")
 DEVICES = 2
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_PORT", "MASTER_ADDR")
 
@@ -111,39 +108,8 @@ def run_deepspeed_tests(
     env["DS_UNITTEST_TIMEOUT"] = str(int(selection.timeout_s))  # their per-test hang guard
     env["LOCAL_SIZE"] = str(DEVICES)  # the CPU accelerator's device count: two-rank tests run
     started = time.monotonic()
-    with log.open("w") as out:
-        proc = processes.start(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tests_dir)
-        try:
-            proc.wait(timeout=selection.timeout_s)
-        except subprocess.TimeoutExpired:
-            raise RunError(f"DeepSpeed's tests timed out after {selection.timeout_s / 60:.0f} min (log: {log})") from None
-        finally:
-            processes.stop(proc)
-    if proc.returncode not in PYTEST_OK or not junit.is_file():
-        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        raise RunError(f"DeepSpeed's tests exited {proc.returncode}: {tail[0][:300]} (log: {log})")
+    supervise([Job("DeepSpeed's tests", command, env, log, cwd=tests_dir, output=junit, ok=PYTEST_OK)], selection.timeout_s)
     return TestRun(read_junit(junit, full_ids=True), time.monotonic() - started, (junit,), (log,))
 
 
-def counts(outcomes: Mapping[str, TestOutcome]) -> dict[str, int]:
-    found = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
-    for outcome in outcomes.values():
-        found[outcome.outcome] = found.get(outcome.outcome, 0) + 1
-    return found
-
-
-def compare(stock: Mapping[str, TestOutcome], patched: Mapping[str, TestOutcome]) -> dict[str, object]:
-    """Stock against patched: ``regressions`` pass on stock and fail (or vanish) on patched — the
-    change broke them; ``failing_on_both`` are not the change's doing; ``fixed`` fail on stock
-    and pass on patched (tests that show the bug)."""
-    bad = ("failed", "error")
-    regressions, both, fixed = [], [], []
-    for test_id in sorted(set(stock) | set(patched)):
-        before, after = stock.get(test_id), patched.get(test_id)
-        if before is not None and before.outcome == "passed" and (after is None or after.outcome in bad):
-            regressions.append({"test": test_id, "message": after.message if after else "not run on patched"})
-        elif before is not None and after is not None and before.outcome in bad and after.outcome in bad:
-            both.append({"test": test_id, "stock": before.message, "patched": after.message})
-        elif before is not None and after is not None and before.outcome in bad and after.outcome == "passed":
-            fixed.append({"test": test_id, "stock": before.message})
-    return {"stock": counts(stock), "patched": counts(patched), "regressions": regressions, "failing_on_both": both, "fixed": fixed}
+DEFAULT_SET = "core"  # the default set of DeepSpeed's own tests for a git source (dsmatrix/payload/deepspeed_tests/selection.toml)

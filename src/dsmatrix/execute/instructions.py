@@ -7,16 +7,7 @@ around the counted steps and calls, each of which ends in a labelled dump (callg
 requests, from ``<valgrind/callgrind.h>``, compiled here into a small library the script loads).
 Stock, patched and stock again run at the same time: counts do not depend on what else runs.
 
-**Decision rule.** Per benchmark, each process's mean count over its counted steps (or calls);
-the ratio patched/stock; the A/A deviation ``u = |again/stock - 1|`` of the same run is
-the measurement's uncertainty. ``no-regression`` when ``ratio * (1 + u) <= 1 + margin`` (default
-0.5%), ``regression`` when ``ratio * (1 - u) > 1 + margin``, otherwise ``inconclusive``. The
-calibration passes when ``u <= 0.25%`` for every step benchmark: counts differ from process to
-process by up to about 0.1% here (object addresses decide hash-table probes in CPython and
-DeepSpeed's sets of parameters), more counted steps do not shrink that, and 0.25% keeps a
-decision possible at the 0.5% margin. A cell is judged on its step benchmarks; the release path
-is reported beside them (it magnifies the code the fix changes, which a different, correct fix
-may well write more slowly per call at no cost per step).
+The decision rule is ``judge.instructions``.
 """
 
 from __future__ import annotations
@@ -24,23 +15,20 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import statistics
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dsmatrix.execute.engine_tests import free_port, remove_shm_buffers, test_environment
-from dsmatrix.execute.step_time import INCONCLUSIVE, NO_REGRESSION, NOT_MEASURED, REGRESSION, STABLE_PROCESS, STEP, kind_of
-from dsmatrix.infra import processes
+from dsmatrix.execute.launch import Job, free_port, supervise, test_environment
+from dsmatrix.execute.step_time import STABLE_PROCESS
 from dsmatrix.infra.errors import RunError
 from dsmatrix.infra.locations import suite_path
+from dsmatrix.judge.instructions import BUILDS, CALIBRATION_TOLERANCE, DEFAULT_MARGIN, RULE, compare, verdict_of
+from dsmatrix.judge.throughput import NOT_MEASURED
 
 BENCH = suite_path("bench")
-PASS, FAIL = "pass", "fail"
-DEFAULT_MARGIN = 0.005
-CALIBRATION_TOLERANCE = 0.0025
 COUNTED_STEPS = 5
 # callgrind's client requests for count_instructions.py (ctypes): counting on (zeroed), off, and a
 # dump labelled with the benchmark that just ran.
@@ -49,13 +37,6 @@ void dsmatrix_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_ZERO_STAT
 void dsmatrix_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
 void dsmatrix_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
 """
-RULE = (
-    "per benchmark, the mean instructions per step (or release-path call) of the stock, patched and stock-again "
-    "processes under callgrind; u = |stock again / stock - 1|: no-regression if patched/stock x (1 + u) <= {limit:g}, "
-    "regression if patched/stock x (1 - u) > {limit:g}, else inconclusive; calibration passes if u <= {tolerance:g} "
-    "on every step benchmark; judged on the training step"
-)
-BUILDS = (("stock", "stock"), ("patched", "patched"), ("stock-again", "stock"))
 
 
 def valgrind_version() -> str | None:
@@ -64,50 +45,6 @@ def valgrind_version() -> str | None:
         return None
     out = subprocess.run(["valgrind", "--version"], capture_output=True, text=True, check=False)
     return out.stdout.strip() or None
-
-
-def decide(ratio: float, uncertainty: float, margin: float) -> str:
-    """The rule for one benchmark: its ratio, widened both ways by the A/A deviation."""
-    limit = 1 + margin
-    if ratio * (1 + uncertainty) <= limit:
-        return NO_REGRESSION
-    if ratio * (1 - uncertainty) > limit:
-        return REGRESSION
-    return INCONCLUSIVE
-
-
-def compare(name: str, counts: Mapping[str, Sequence[int]], margin: float = DEFAULT_MARGIN) -> dict[str, Any]:
-    """One benchmark: per-build means, ratio, A/A deviation and verdict."""
-    stock, patched, again = (statistics.fmean(counts[label]) for label, _ in BUILDS)
-    ratio, aa = patched / stock, again / stock
-    uncertainty = abs(aa - 1)
-    return {
-        "benchmark": name,
-        "kind": kind_of(name),
-        "stock": stock,
-        "patched": patched,
-        "stock_again": again,
-        "ratio": ratio,
-        "aa": aa,
-        "uncertainty": uncertainty,
-        "spread": {label: (max(counts[label]) - min(counts[label])) / statistics.fmean(counts[label]) for label, _ in BUILDS},
-        "verdict": decide(ratio, uncertainty, margin),
-    }
-
-
-def verdict_of(comparisons: Sequence[Mapping[str, Any]], tolerance: float = CALIBRATION_TOLERANCE) -> tuple[str, str]:
-    """(verdict, calibration) of a cell: the worst step verdict; ``inconclusive`` when the A/A
-    deviation of a step benchmark exceeds the tolerance (the counts are not as repeatable as the rule needs)."""
-    steps = [c for c in comparisons if c["kind"] == STEP]
-    if not steps:
-        return NOT_MEASURED, FAIL
-    calibration = PASS if all(c["uncertainty"] <= tolerance for c in steps) else FAIL
-    verdicts = {c["verdict"] for c in steps}
-    if REGRESSION in verdicts:
-        return REGRESSION, calibration
-    if calibration == FAIL or INCONCLUSIVE in verdicts:
-        return INCONCLUSIVE, calibration
-    return NO_REGRESSION, calibration
 
 
 _DUMP = re.compile(r"^desc: Trigger: Client Request: (?P<label>[^\n]+)$.*?^totals:\s+(?P<totals>\d+)", re.MULTILINE | re.DOTALL)
@@ -169,27 +106,13 @@ def run_counts(
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     marks = compile_marks(work)
-    procs: dict[str, tuple[subprocess.Popen[bytes], Path, int]] = {}
-    try:
-        for label, build in BUILDS:
-            port = free_port()
-            env = {**test_environment(pythons[build], extensions[build], port, 0, 1), **STABLE_PROCESS}
-            log = out_dir / f"{name}-instructions-{label}.log"
-            command = _count_command(pythons[build], work / label, marks, runtime, steps)
-            with log.open("w") as handle:
-                procs[label] = (processes.start(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=BENCH), log, port)
-        deadline = started + timeout_s
-        for label, (proc, log, _) in procs.items():
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired as exc:
-                raise RunError(f"instruction count ({label}) timed out after {timeout_s:.0f} s (log: {log})") from exc
-            if proc.returncode != 0:
-                raise RunError(f"instruction count ({label}) exited {proc.returncode} (log: {log})")
-    finally:
-        for proc, _, port in procs.values():
-            processes.stop(proc)
-            remove_shm_buffers(port)
+    jobs = []
+    for label, build in BUILDS:
+        port = free_port()
+        env = {**test_environment(pythons[build], extensions[build], port, 0, 1), **STABLE_PROCESS}
+        command = _count_command(pythons[build], work / label, marks, runtime, steps)
+        jobs.append(Job(f"instruction count ({label})", command, env, out_dir / f"{name}-instructions-{label}.log", cwd=BENCH, port=port))
+    supervise(jobs, timeout_s)
     counts = {label: read_intervals(work / label) for label, _ in BUILDS}
     shutil.rmtree(work)  # callgrind's profiles are large; the counts are kept below
     names = sorted(set.intersection(*(set(c) for c in counts.values())))

@@ -29,27 +29,24 @@ from pathlib import Path
 from typing import Any
 
 from dsmatrix.build.environments import uv_cache_dir
-from dsmatrix.build.images import build_images, docker_engine, image_for, run_in_image
+from dsmatrix.build.images import build_images, image_for
 from dsmatrix.build.patches import PatchSet
-from dsmatrix.execute.cell import (
-    OWN_TESTS,
-    add_benchmarks,
-    cache_size,
-    check_patch,
-    fingerprint,
-    preflight,
-    run_cell,
-    suite_digest,
-)
-from dsmatrix.execute.step_time import REGRESSION, BenchOptions
+from dsmatrix.execute.benchmarks import BenchOptions, add_benchmarks
+from dsmatrix.execute.cell import run_cell
+from dsmatrix.execute.deepspeed_tests import DEFAULT_SET
+from dsmatrix.execute.in_image import run_in_image
+from dsmatrix.execute.preflight import cache_size, check_patch, preflight
+from dsmatrix.execute.reuse import fingerprint, suite_digest
 from dsmatrix.infra import processes, progress
 from dsmatrix.infra.cache import Cache
+from dsmatrix.infra.docker_engine import docker_engine
 from dsmatrix.infra.errors import DiskSpaceError
-from dsmatrix.infra.hosts import native_platform
+from dsmatrix.infra.hosts import LOCAL, native_platform
 from dsmatrix.infra.locations import image_source_tree
 from dsmatrix.infra.parallel import auto_jobs, builds_side_by_side
 from dsmatrix.infra.results import Run, cell_result_skeleton, find_finished, import_cells, start_run
-from dsmatrix.judge.verdict import ERROR, FIXED, INTERRUPTED, NOT_FIXED, exit_code
+from dsmatrix.judge.throughput import cell_throughputs
+from dsmatrix.judge.verdict import ERROR, FIXED, INTERRUPTED, INTERRUPTED_EXIT, NOT_FIXED, run_exit_status
 from dsmatrix.plan.cells import Cell, Selection
 from dsmatrix.plan.disk import (
     DiskPlan,
@@ -68,7 +65,6 @@ from dsmatrix.plan.disk import (
 
 FINAL = (FIXED, NOT_FIXED)  # verdicts a resumed run reuses (see the module docstring)
 RESUME = {"finished": FINAL, "fixed-only": (FIXED,), "none": ()}
-INTERRUPTED_EXIT = 130
 
 
 @dataclass(frozen=True)
@@ -87,7 +83,7 @@ class MatrixOptions:
     base_image: str | None = None
     bench: BenchOptions | None = None
     image_argv: tuple[str, ...] = ()  # selection arguments handed on to an image's own run
-    own_tests: str = OWN_TESTS  # the set of DeepSpeed's own tests git-source cells run ("none": none)
+    deepspeed_tests: str = DEFAULT_SET  # the set of DeepSpeed's own tests git-source cells run ("none": none)
     jobs: int | None = 1  # cells run at once (--jobs; None: auto, decided by plan_run)
     low_disk: str = "auto"  # one of disk.LOW_DISK
     side_by_side: str = "auto"  # a cell's two builds at once: one of parallel.SIDE_BY_SIDE
@@ -108,13 +104,13 @@ class Plan:
 
     @property
     def image_platforms(self) -> list[str]:
-        return sorted({c.platform for c in self.todo if self.hosts[c] != "local"})
+        return sorted({c.platform for c in self.todo if self.hosts[c] != LOCAL})
 
 
 def host_of(cell: Cell, in_image: bool) -> str:
     """Where a cell runs: ``local``, or ``image:<name>`` for its platform's container image."""
     if cell.platform == native_platform() and not in_image:
-        return "local"
+        return LOCAL
     return f"image:{image_for(cell.platform).name}"
 
 
@@ -132,12 +128,12 @@ def plan_run(options: MatrixOptions) -> Plan:
     runtime = {a: list(v) for a, v in selection.runtime.items()}
     suite = suite_digest()
     hosts = {cell: host_of(cell, options.in_image) for cell in selection.cells}
-    prints = {cell: fingerprint(cell, runtime, options.patch, suite, hosts[cell], options.own_tests) for cell in selection.cells}
+    prints = {cell: fingerprint(cell, runtime, options.patch, suite, hosts[cell], options.deepspeed_tests) for cell in selection.cells}
     final = RESUME[options.resume]
     reusable = {c: r for c in selection.cells if final and (r := find_finished(options.results, prints[c], final)) is not None}
     todo = [c for c in selection.cells if c not in reusable]
     plan = Plan(hosts, prints, reusable, todo=todo, orphans_stopped=orphans)
-    local = Selection(tuple(c for c in todo if hosts[c] == "local"), selection.runtime)
+    local = Selection(tuple(c for c in todo if hosts[c] == LOCAL), selection.runtime)
     plan.jobs = options.jobs or auto_jobs(len(local.cells), largest_world(selection))
     try:  # first: the checks below download into the cache
         plan.disk = plan_disk(local.cells, options.cache, options.low_disk, plan.jobs)
@@ -150,7 +146,7 @@ def plan_run(options: MatrixOptions) -> Plan:
         plan.todo = grouped(todo)
     plan.need_gib = plan.disk.peak_gib
     for platform in plan.image_platforms:
-        cells = [c for c in todo if c.platform == platform and hosts[c] != "local"]
+        cells = [c for c in todo if c.platform == platform and hosts[c] != LOCAL]
         plan.need_gib += plan_disk(cells, options.cache.in_image(image_for(platform).name), "off").need_gib
     preflight(local)
     check_patch(todo, options.patch, options.cache)  # also for cells that run in an image
@@ -168,11 +164,13 @@ class Outcome:
     interrupted: bool
 
     @property
+    def throughput(self) -> dict[str, str]:
+        """Each cell's throughput verdict by label (``not measured`` without benchmarks)."""
+        return cell_throughputs(self.run.cells)
+
+    @property
     def exit_code(self) -> int:
-        if self.interrupted:
-            return INTERRUPTED_EXIT
-        throughput = [(c.get("benchmarks") or {}).get("verdict") for c in self.run.cells]
-        return exit_code(self.verdicts) or (1 if REGRESSION in throughput else 0)
+        return run_exit_status(self.verdicts, self.throughput.values(), self.interrupted)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -241,7 +239,7 @@ def run_matrix(options: MatrixOptions, plan: Plan, say: Printer, meta: Mapping[s
             if plan.image_platforms:
                 with _images_ready(plan.image_platforms, options) as client:
                     for platform in plan.image_platforms:
-                        cells = [c for c in plan.todo if c.platform == platform and plan.hosts[c] != "local"]
+                        cells = [c for c in plan.todo if c.platform == platform and plan.hosts[c] != LOCAL]
                         running.update(dict.fromkeys(cells))
                         _run_image_cells(options, client, platform, cells, plan.prints, run, announce)
                         running.clear()
@@ -277,7 +275,7 @@ def _run_local_cells(
     """This machine's cells, ``plan.jobs`` at a time, in ``plan.todo``'s order. In low-disk mode
     the torch sets run one after another: a new set is pruned after its last cell, before the next
     set's cells start (so at most one set's cache is on disk, as the disk plan assumed)."""
-    cells = [c for c in plan.todo if plan.hosts[c] == "local"]
+    cells = [c for c in plan.todo if plan.hosts[c] == LOCAL]
     if not cells:
         return
     selection, disk = options.selection, plan.disk
@@ -293,7 +291,7 @@ def _run_local_cells(
             progress.stage("running")
             return run_cell(
                 cell, selection, options.patch, options.cache, run, plan.prints[cell], options.bench,
-                options.resume != "none", options.own_tests, together,
+                options.resume != "none", options.deepspeed_tests, together,
             )  # fmt: skip
 
     batches = by_set(cells) if disk and disk.low_disk else [cells]
@@ -347,7 +345,7 @@ def _reused(options: MatrixOptions, plan: Plan, cell: Cell, run: Run) -> dict[st
     found = plan.reusable[cell]
     result = {**found, "reused_from": found.get("reused_from") or found["run_id"]}
     print(f"{cell.label}: reused the result of run {result['reused_from']} (--fresh re-runs it)", flush=True)
-    if options.bench and plan.hosts[cell] == "local":  # measured anew: a benchmark is of its moment
+    if options.bench and plan.hosts[cell] == LOCAL:  # measured anew: a benchmark is of its moment
         print(f"{cell.label}: benchmarks ...", flush=True)
         with progress.lane(cell.label):  # its stages and heartbeats name the cell
             result = add_benchmarks(result, cell, options.selection, options.patch, options.cache, run, options.bench)
@@ -394,7 +392,9 @@ def _run_image_cells(
 
     try:
         source = image_source_tree(options.root)
-        code, last = run_in_image(client, spec, argv, staging, options.cache.root, source, options.matrix, options.patch.source)
+        code, last = run_in_image(
+            client, spec, argv, staging, options.cache.images(spec.name), source, options.matrix, options.patch.source
+        )
     finally:
         import_cells(staging, run, finish, seen_as=Path("/results"))
         shutil.rmtree(staging, ignore_errors=True)

@@ -106,9 +106,13 @@ class Cache:
         """The wheel-building environment for (Python, torch)."""
         return self.root / "builders" / f"py{python}-torch{torch}-{digest(request)}"
 
+    def builders(self, python: str, torch: str) -> list[Path]:
+        """Every wheel-building environment of (Python, torch), whatever its request."""
+        return sorted((self.root / "builders").glob(f"py{python}-torch{torch}-*"))
+
     def has_builder(self, python: str, torch: str) -> bool:
         """Whether a builder for (Python, torch) exists: that torch set is then in uv's cache."""
-        return any((self.root / "builders").glob(f"py{python}-torch{torch}-*/bin/python"))
+        return any((b / "bin" / "python").exists() for b in self.builders(python, torch))
 
     def wheel(self, deepspeed: str, python: str, torch: str, build_key: str) -> Path:
         """The folder holding one DeepSpeed wheel and its ``build.json``."""
@@ -117,6 +121,18 @@ class Cache:
     def environment(self, cell_id: str, build_key: str, request: object) -> Path:
         """A cell's environment for one build, keyed by everything it is created from."""
         return self.root / "envs" / cell_id / f"{build_key}-{digest(request)}"
+
+    def environments(self, cell_id: str) -> Path:
+        """Every environment of one cell (each build, each request)."""
+        return self.root / "envs" / cell_id
+
+    def uv_set(self, name: str) -> Path:
+        """The uv cache of one torch set in low-disk mode."""
+        return self.root / "uv-sets" / name
+
+    def git_changes(self) -> Path:
+        """The diffs of pull requests' changes (PR mode)."""
+        return self.root / "git" / "changes"
 
     def stock_results(self, cell_id: str, key: object) -> Path:
         return self.root / "stock-results" / cell_id / digest(key, 16)

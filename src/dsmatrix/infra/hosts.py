@@ -14,6 +14,7 @@ import os
 import platform
 from pathlib import Path
 
+LOCAL = "local"  # a cell's host when it runs on this machine itself (else ``image:<name>``)
 MACHINE_PLATFORMS = {"x86_64": "linux/amd64", "amd64": "linux/amd64", "aarch64": "linux/arm64", "arm64": "linux/arm64"}
 AT_HWCAP, AT_HWCAP2 = 16, 26
 # Linux arch/arm64/include/uapi/asm/hwcap.h, in bit order

@@ -13,17 +13,18 @@
 Evidence discipline: a stock bug test counts as "the bug was seen" only when it failed (a test
 failure, not a pytest error) through ``bug_observed`` (it recorded the measured figures); any
 other stock failure is not evidence. ``test_state`` applies the same rule to one test, for the
-report's grid: this module is the only place verdict states are derived.
+report's grid. Throughput states are ``judge.throughput``'s; the headline is ``judge.headline``'s.
 A test is applicable when it was not skipped. Skips must agree between the builds.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from dsmatrix.execute.engine_tests import TestOutcome
+from dsmatrix.judge.outcomes import TestOutcome
+from dsmatrix.judge.throughput import REGRESSION
 
 FIXED, NOT_FIXED, UNDETECTED, ERROR, INTERRUPTED = "fixed", "not-fixed", "undetected", "error", "interrupted"
 VERDICTS = (FIXED, NOT_FIXED, UNDETECTED, ERROR, INTERRUPTED)
@@ -212,3 +213,14 @@ def _counted(counts: Mapping[str, int]) -> str:
 def exit_code(verdicts: list[str]) -> int:
     """0 only when every selected cell is fixed."""
     return 0 if verdicts and all(v == FIXED for v in verdicts) else 1
+
+
+INTERRUPTED_EXIT = 130  # a run stopped by SIGINT or SIGTERM, as a shell reports Ctrl-C
+
+
+def run_exit_status(verdicts: list[str], throughput: Iterable[str], interrupted: bool) -> int:
+    """A run's exit status: ``INTERRUPTED_EXIT`` when it was stopped; else 0 only when every selected
+    cell is fixed and no cell's throughput regression was decided (``throughput``: each cell's verdict)."""
+    if interrupted:
+        return INTERRUPTED_EXIT
+    return exit_code(verdicts) or (1 if REGRESSION in set(throughput) else 0)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from packaging.version import Version
 
-from dsmatrix.build.sources import GitSource
 from dsmatrix.infra.errors import ConfigError
+from dsmatrix.plan.git_source import GitSource
 from dsmatrix.plan.matrix import CELL_AXES, PLATFORM, PLATFORMS, RUNTIME_AXES, Matrix, Rule, Tier, check_value
 
 DEFAULT_PLATFORM = PLATFORMS[0]  # unmarked in cell ids and labels

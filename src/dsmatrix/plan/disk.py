@@ -114,15 +114,15 @@ def plan_disk(cells: Sequence[Cell], cache: Cache, mode: str = "auto", jobs: int
 
 def uv_cache(cache: Cache, key: TorchSet) -> Path:
     """The uv cache of one set in low-disk mode."""
-    return cache.root / "uv-sets" / set_name(key)
+    return cache.uv_set(set_name(key))
 
 
 def set_entries(cache: Cache, key: TorchSet, cells: Iterable[Cell]) -> list[Path]:
     """What pruning a set removes: its uv cache, its builder, and the environments of its cells."""
     python, torch, _ = key
-    entries = [uv_cache(cache, key), *sorted((cache.root / "builders").glob(f"py{python}-torch{torch}-*"))]
+    entries = [uv_cache(cache, key), *cache.builders(python, torch)]
     for cell in cells:
-        entries += [cache.root / "envs" / cell.id, cache.root / "envs" / cell.stock_id]
+        entries += [cache.environments(cell.id), cache.environments(cell.stock_id)]
     return [e for e in dict.fromkeys(entries) if e.exists()]
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dsmatrix.judge.throughput import NO_REGRESSION, REGRESSION
+
 
 def _pyplot() -> Any:
     import matplotlib
@@ -60,7 +62,7 @@ def ratio_plot(cells: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
     for y, (_, c, kind) in enumerate(rows):
-        color = {"no-regression": "tab:green", "regression": "tab:red"}.get(c["verdict"], "tab:orange")
+        color = {NO_REGRESSION: "tab:green", REGRESSION: "tab:red"}.get(c["verdict"], "tab:orange")
         ax.errorbar(c["ratio"], y, xerr=[[c["ratio"] - c["low"]], [c["high"] - c["ratio"]]], fmt="o" if kind != "A/A" else "s", color=color)
     ax.set_yticks(range(len(rows)), [label for label, _, _ in rows], fontsize=7)
     ax.axvline(1.0, color="grey", linewidth=1)

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from dsmatrix.execute.change_coverage import Hunk, changed_hunks, measure, summary_line
-from dsmatrix.execute.deepspeed_tests import compare, copy_tests, load_selection, set_names
-from dsmatrix.execute.engine_tests import TestOutcome
+from dsmatrix.execute.deepspeed_tests import copy_tests, load_selection, set_names
 from dsmatrix.infra.errors import ConfigError
+from dsmatrix.judge.deepspeed_tests import compare
+from dsmatrix.judge.outcomes import TestOutcome
 from dsmatrix.judge.verdict import FIXED, NOT_FIXED, UNDETECTED, Verdict, with_deepspeed_tests
 
 DIFF = """\

@@ -1,0 +1,1 @@
+"""What is built: DeepSpeed sources, the fix applied, wheels, environments, images."""
