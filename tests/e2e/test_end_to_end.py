@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli, run_outside, tagged_processes
+from helpers import REPO, run_cli, run_outside, tagged_processes
 
 from dsmatrix.infra.hosts import native_platform
 from dsmatrix.plan.matrix import load_matrix

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import faults
 import pytest
-from conftest import REPO, warm
+from helpers import REPO, warm
 
 pytestmark = pytest.mark.faults
 

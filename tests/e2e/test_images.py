@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import require, run_cli
+from helpers import require, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker]
 CELL = "py3.11-torch2.13.0+cpu-ds0.19.8"

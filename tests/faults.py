@@ -4,7 +4,7 @@ delay, and take stock of what it left: processes, torch extension locks, held ca
 half-built entries, the run's summary.
 
 Works against any version of the suite (it watches processes, not the suite's output), so the
-same kill points measure what a run left before and after the fix: ``python tests/suite/faults.py
+same kill points measure what a run left before and after the fix: ``python tests/faults.py
 --help``.
 """
 

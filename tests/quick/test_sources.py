@@ -5,33 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
 from deepspeed_repo import git
+from helpers import run_cli
 
 from dsmatrix.build.sources import changed_diff, resolve, source_tarball
 from dsmatrix.infra.cache import Cache
 from dsmatrix.infra.errors import ConfigError, UnknownVersionError
 from dsmatrix.plan.cells import make_cell
 from dsmatrix.plan.git_source import GitSource, split_spec
-
-
-@pytest.fixture
-def fake_repo(tmp_path: Path) -> Path:
-    """A tiny repository shaped like DeepSpeed's: master (0.19.6), a tag, a branch that changes a file, a PR ref."""
-    repo = tmp_path / "DeepSpeed"
-    (repo / "deepspeed").mkdir(parents=True)
-    (repo / "version.txt").write_text("0.19.6\n")
-    (repo / "deepspeed" / "coordinator.py").write_text("def release():\n    return 1\n")
-    git(repo, "init", "-q", "-b", "master")
-    git(repo, "add", "-A")
-    git(repo, "commit", "-qm", "base")
-    git(repo, "tag", "v0.19.6")
-    git(repo, "checkout", "-qb", "fix")
-    (repo / "deepspeed" / "coordinator.py").write_text("def release():\n    cache = {}\n    return cache\n")
-    git(repo, "commit", "-qam", "fix")
-    git(repo, "update-ref", "refs/pull/7/head", "fix")
-    git(repo, "checkout", "-q", "master")
-    return repo
 
 
 def test_refs_resolve_to_commits(fake_repo: Path, tmp_path: Path) -> None:
@@ -132,14 +113,3 @@ def test_plan_of_a_pr(fake_repo: Path, tmp_path: Path) -> None:
     (cell,) = json.loads(proc.stdout)["include"]
     assert cell["deepspeed"] == "0.19.6" and cell["git"]["head"]["ref"] == "refs/pull/7/head"
     assert "-pr.master." in cell["id"] and "..refs_pull_7_head." in cell["id"]
-
-
-@pytest.mark.network
-@pytest.mark.gate
-def test_a_diff_that_does_not_apply_to_the_commit_is_one_line(fake_repo: Path, tmp_path: Path) -> None:
-    args = ["--deepspeed", f"git:{fake_repo}@master", "--cache-dir", str(tmp_path / "cache"), "--results", str(tmp_path / "r")]
-    proc = run_cli("matrix", "--tier", "smoke", *args, cwd=tmp_path)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 7 and len(lines) == 1, proc.stderr
-    assert f"DeepSpeed git:{fake_repo}@master (0.19.6, " in lines[0] and "deepspeed-0.19.3-and-later.diff does not apply" in lines[0]
-    assert "partitioned_param_coordinator.py: file not found" in lines[0]

@@ -11,8 +11,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import require, run_cli
 from deepspeed_repo import git, make_repo, snapshot, version
+from helpers import require, run_cli
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import require
+from helpers import require
 from stores import ERRORED, EXCLUDED, FIXED, NOT_FIXED, store
 
 from dsmatrix.report.qualification import write_report

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO, require, run_cli
+from helpers import REPO, require, run_cli
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ import re
 import runpy
 
 import pytest
-from conftest import REPO, run_cli
+from helpers import REPO, run_cli
 
 WORKFLOWS = REPO / ".github" / "workflows"
 

@@ -8,7 +8,7 @@ results, cached by commit, are shared by every run on one machine.
 The snapshot: ``$DSMATRIX_DEEPSPEED_SNAPSHOT`` (a folder), else ``shared/deepspeed-src`` beside the
 checkout. A GitHub runner has neither: the tests that need it are skipped there with that reason
 (they run in the acceptance session, where a missing snapshot fails).
-As a command: ``python tests/suite/deepspeed_repo.py DIR`` makes the repository in DIR and prints
+As a command: ``python tests/deepspeed_repo.py DIR`` makes the repository in DIR and prints
 its path and commits.
 """
 
@@ -20,7 +20,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "patches" / "zero3-release-cache" / "deepspeed-0.19.3-and-later.diff"
 COORDINATOR = "deepspeed/runtime/zero/partitioned_param_coordinator.py"
 RELEASE_ANCHOR = "        free_data = not z3_leaf_module(submodule) or not self.fast_sharding_for_leaf_module\n"

@@ -1,7 +1,5 @@
-"""The suite's own tests. Quick ones (pure logic, CLI bad input, the report in a browser) need
-nothing downloaded; the real ones run cells on real DeepSpeed, marked ``e2e``, ``panel``,
-``faults``, ``docker`` or ``network``. Those also marked ``gate`` are the landing gate's real part
-(``nox -s tests``); the rest run in the acceptance session (``nox -s acceptance``)."""
+"""What the suite's tests share: the checkout's folders, running the tool as a user would, the
+processes a run left, the wheel's identity, warming the cache, and requiring a tool (strict under CI)."""
 
 from __future__ import annotations
 
@@ -13,10 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
+
+
 FIXTURES = REPO / "tests" / "fixtures"
+
+
 # What a wheel of this checkout is built from (pyproject.toml maps these folders into the package).
 WHEEL_SOURCES = ("pyproject.toml", "src", "matrix", "patches", "containers")
 
@@ -44,11 +45,6 @@ def as_root() -> list[str]:
         return [sudo, "-n"]
     require(False, "root (or passwordless sudo)")
     return []
-
-
-@pytest.fixture
-def repo() -> Path:
-    return REPO
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 3600) -> subprocess.CompletedProcess[str]:
@@ -100,30 +96,6 @@ def shared_folder(request: pytest.FixtureRequest, name: str) -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
-def installed(request: pytest.FixtureRequest) -> Path:
-    """The tool as a user installs it: the wheel built from this checkout in a fresh venv; returns its bin folder.
-
-    Built once per source hash, under a lock, in pytest's cache folder: both xdist workers and later
-    runs of the same code take the same one."""
-    root = shared_folder(request, f"installed-{source_hash()[:16]}")
-    done = root / "complete"
-    with FileLock(f"{root}.lock"):
-        if not done.is_file():
-            shutil.rmtree(root / "dist", ignore_errors=True)
-            shutil.rmtree(root / "venv", ignore_errors=True)
-            command = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", str(REPO), "-w", str(root / "dist")]
-            built = run_outside(command, cwd=root, timeout=600)
-            assert built.returncode == 0, built.stderr
-            (wheel,) = (root / "dist").glob("dsmatrix-*.whl")
-            venv = root / "venv"
-            assert run_outside([sys.executable, "-m", "venv", str(venv)], cwd=root).returncode == 0
-            install = run_outside([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", str(wheel)], cwd=root, timeout=900)
-            assert install.returncode == 0, install.stderr
-            done.touch()
-    return root / "venv" / "bin"
-
-
 DEFAULT_CELL = ("3.11", "2.13.0+cpu", "0.19.8")  # the cell the real tests run on (0.19.2 beside it in two-cell runs)
 
 
@@ -145,27 +117,11 @@ def warm(cache_root: Path, versions: tuple[str, ...] = ("0.19.8", "0.19.2")) -> 
     return time.monotonic() - started
 
 
-@pytest.fixture(scope="session")
-def warm_cache(request: pytest.FixtureRequest) -> Path:
-    """The suite's default cache warmed once for every real test of a run (both xdist workers wait for
-    the one that warms it), so that their durations are their own work."""
-    from dsmatrix.infra.cache import default_root
-
-    root = default_root()
-    with FileLock(str(shared_folder(request, "warm-up")) + ".lock"):
-        took = warm(root)
-    print(f"warm-up: sdists and builder environment in {root.name}/ ready after {took:.0f} s")
-    return root
-
-
-# The real cells run two at a time, a file per worker (``-n 2 --dist loadfile``: a file's tests keep
-# their order and their module fixtures; xdist deals the first files out in turn). The longest files
-# go first, so they start on different workers: the images' (the arm64 base and a cell under qemu,
-# mostly one core and the disk) in the acceptance session; in the gate the end-to-end cells and the
-# panel, with the short files after them.
-FIRST = ("test_images_e2e.py", "test_end_to_end.py", "test_panel.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest files first, in FIRST's order; the rest keep their order (a stable sort)."""
-    items.sort(key=lambda item: FIRST.index(item.path.name) if item.path.name in FIRST else len(FIRST))
+def check_one_line_error(tmp_path: Path, *args: str, expect: str, code: int = 2) -> None:
+    results = tmp_path / "results"
+    proc = run_cli("matrix", "--results", str(results), *args, cwd=tmp_path, timeout=600)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == code, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("dsmatrix: error: "), proc.stderr
+    assert expect in lines[0], lines[0]
+    assert not results.exists(), "bad input must not leave a results folder"

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import tagged_processes
+from helpers import tagged_processes
 
 from dsmatrix.execute import schedule
 from dsmatrix.execute.engine_tests import probe_of_tests
