@@ -1,4 +1,4 @@
-"""Benchmarks: step time stock vs patched, rounds until a sequential rule decides, and the leak benchmark.
+"""Step time, stock vs patched: rounds of interleaved steps until the sequential rule decides.
 
 Stock and patched live in different environments, so they are measured in different processes.
 Each round starts three at once, stock, patched and stock again, pinned to one CPU, and lets
