@@ -7,7 +7,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.helpers import REPO
+from helpers import REPO
 
 PACKAGE = REPO / "src" / "dsmatrix"
 
