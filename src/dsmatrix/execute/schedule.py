@@ -243,6 +243,10 @@ def run_matrix(options: MatrixOptions, plan: Plan, say: Printer, meta: Mapping[s
                         running.update(dict.fromkeys(cells))
                         _run_image_cells(options, client, platform, cells, plan.prints, run, announce)
                         running.clear()
+            # still under the handlers: a signal while the run finishes is an interrupt, never a lost summary
+            run.meta["disk"] = _disk_facts(plan, watch)
+            print(f"dsmatrix: disk: peak {watch.peak_gib:.1f} GiB above the run's start; uv cache now {cache_size()}", flush=True)
+            run.write_summary("complete")
         except KeyboardInterrupt as exc:
             outcome.interrupted = True
             done = {c["cell"]["id"] for c in run.cells}
@@ -256,9 +260,6 @@ def run_matrix(options: MatrixOptions, plan: Plan, say: Printer, meta: Mapping[s
             run.write_summary("interrupted")
             print(f"dsmatrix: interrupted; {len(done)} finished cell(s) kept in {run.root}", file=sys.stderr, flush=True)
             return outcome
-    run.meta["disk"] = _disk_facts(plan, watch)
-    print(f"dsmatrix: disk: peak {watch.peak_gib:.1f} GiB above the run's start; uv cache now {cache_size()}", flush=True)
-    run.write_summary("complete")
     return outcome
 
 
