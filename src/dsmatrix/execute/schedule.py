@@ -259,7 +259,6 @@ def run_matrix(options: MatrixOptions, plan: Plan, say: Printer, meta: Mapping[s
             run.meta["disk"] = _disk_facts(plan, watch)
             run.write_summary("interrupted")
             print(f"dsmatrix: interrupted; {len(done)} finished cell(s) kept in {run.root}", file=sys.stderr, flush=True)
-            return outcome
     return outcome
 
 
