@@ -109,8 +109,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=DEFAULT_MAX_ROUNDS,
         help="cap on step-time rounds (stock, patched, stock again); stop once decided",
     )
-    matrix.add_argument("--bench-minutes", type=float, default=DEFAULT_MINUTES, help="time budget of one cell's step-time rounds")
-    matrix.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="step-time regression margin (0.02 = 2%%)")
+    matrix.add_argument(
+        "--bench-minutes",
+        type=float,
+        default=DEFAULT_MINUTES,
+        help="time budget of the step-time rounds per dtype x checkpointing combination",
+    )
+    matrix.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="step-time regression margin (0.035 = 3.5%%)")
     matrix.add_argument(
         "--instructions-margin",
         type=float,

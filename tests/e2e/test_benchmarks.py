@@ -59,3 +59,20 @@ def test_a_fix_one_percent_slower_is_a_regression_that_fails_the_run(tmp_path: P
     step = next(c for c in counts["comparisons"] if c["benchmark"] == "test_train_step[fp32-ckpt-on]")
     assert 1.005 < step["ratio"] < 1.05 and step["uncertainty"] < 0.001, step
     assert bench["rounds"] == 1 and bench["stopped"].startswith("time budget"), "the step-time rounds stop at their budget"
+
+
+def test_a_fix_that_spins_in_every_release_lookup_is_a_step_time_regression(tmp_path: Path) -> None:
+    """The acceptance command with a 400 µs spin per release lookup (about 11% of a step, three times
+    the 3.5% margin): waiting that instruction counts cannot see (the spin executes few instructions
+    under callgrind), decided by the step-time rounds at the default budget."""
+    results = tmp_path / "results"
+    patch = REPO / "tests" / "fixtures" / "patches" / "slow-release-path.diff"
+    args = ("--bench", "--deepspeed", "0.19.8", "--dtype", "bf16", "--checkpointing", "on", "--leak-lifecycles", "1")
+    proc = run_cli("matrix", *args, "--patch", str(patch), "--results", str(results), cwd=tmp_path)
+    print(proc.stdout[-4000:], proc.stderr[-2000:])
+    assert proc.returncode == 1, "a decided regression fails the run"
+    assert "throughput: regression" in proc.stdout
+    bench = json.loads((results / "latest" / "cells" / f"{CELL}.json").read_text())["benchmarks"]
+    assert (bench["verdict"], bench["time_verdict"]) == ("regression", "regression"), bench
+    assert bench["calibration_verdict"] != "regression"
+    assert all((Path(results / "latest") / f).is_file() for f in bench["files"]), bench["files"]

@@ -76,7 +76,7 @@ def test_the_certifiable_margin_is_the_widest_a_a_step_upper_bound() -> None:
 
 
 def test_the_sequential_interval_keeps_its_coverage_under_repeated_looks() -> None:
-    """Look after every third round up to 45 and stop at the first decision, as run_rounds does:
+    """Look after every third round up to 48 and stop at the first decision, as run_rounds does:
     over 200 simulated A/A runs with a true ratio of exactly the margin's edge (1.02), the rule
     may call no-regression (a wrong decision) in at most 5% of them; a fixed-size 95% t interval
     looked at this often would be wrong far more often."""
@@ -85,9 +85,9 @@ def test_the_sequential_interval_keeps_its_coverage_under_repeated_looks() -> No
     rng = np.random.default_rng(7)
     wrong = 0
     for _ in range(200):
-        stock = list(np.full(45, 0.1))
-        patched = list(0.1 * 1.02 * np.exp(rng.normal(0, 0.02, 45)))
-        for n in range(3, 46, 3):
+        stock = list(np.full(48, 0.1))
+        patched = list(0.1 * 1.02 * np.exp(rng.normal(0, 0.02, 48)))
+        for n in range(3, 49, 3):
             _, low, high = ratio_interval(stock[:n], patched[:n])
             if decide(low, high, 0.02) != INCONCLUSIVE:
                 wrong += decide(low, high, 0.02) == NO_REGRESSION

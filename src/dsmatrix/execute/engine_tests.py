@@ -72,7 +72,7 @@ def _run_ranks(
         env = {**test_environment(python, extensions_dir, port, rank, world_size), **env_extra}
         log = junit.with_suffix(".log")
         label = f"engine tests (world size {world_size}, rank {rank})"
-        jobs.append(Job(label, command, env, log, cwd=ENGINE_TESTS, port=port, output=junit, ok=PYTEST_OK))
+        jobs.append(Job(label, command, env, log, cwd=ENGINE_TESTS, ports=(port,), output=junit, ok=PYTEST_OK))
     supervise(jobs, timeout_s)
     return [(job.output, job.log) for job in jobs if job.output is not None]
 

@@ -111,7 +111,9 @@ def run_counts(
         port = free_port()
         env = {**test_environment(pythons[build], extensions[build], port, 0, 1), **STABLE_PROCESS}
         command = _count_command(pythons[build], work / label, marks, runtime, steps)
-        jobs.append(Job(f"instruction count ({label})", command, env, out_dir / f"{name}-instructions-{label}.log", cwd=BENCH, port=port))
+        jobs.append(
+            Job(f"instruction count ({label})", command, env, out_dir / f"{name}-instructions-{label}.log", cwd=BENCH, ports=(port,))
+        )
     supervise(jobs, timeout_s)
     counts = {label: read_intervals(work / label) for label, _ in BUILDS}
     shutil.rmtree(work)  # callgrind's profiles are large; the counts are kept below

@@ -112,7 +112,7 @@ class Job:
     env: Mapping[str, str]
     log: Path
     cwd: Path | None = None
-    port: int = 0  # its rendezvous port: DeepSpeed's shared-memory buffers named with it are removed
+    ports: tuple[int, ...] = ()  # its rendezvous ports: DeepSpeed's shared-memory buffers named with them are removed
     output: Path | None = None  # a file it must write (JUnit, JSON)
     ok: tuple[int, ...] = (0,)  # exit statuses that are results
     inherited: tuple[int, ...] = ()  # pipe ends the child keeps; the parent closes them once it started
@@ -123,6 +123,11 @@ def log_tail(log: Path) -> str:
     """The last line of a log, shortened (what an error quotes)."""
     lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
     return lines[-1][:300] if lines else "no output"
+
+
+def job_error(label: str, what: str, log: Path) -> RunError:
+    """A one-line error naming the process, what happened, its log's last line and the log."""
+    return RunError(f"{label} {what}: {log_tail(log)} (log: {log})")
 
 
 def supervise(
@@ -155,8 +160,8 @@ def supervise(
         for proc in started:
             processes.stop(proc)
         for job in jobs:
-            if job.port:
-                remove_shm_buffers(job.port)
+            for port in job.ports:
+                remove_shm_buffers(port)
     for job, proc in zip(jobs, started, strict=True):
         if proc.returncode not in job.ok or (job.output is not None and not job.output.is_file()):
             raise RunError(f"{job.label} exited {proc.returncode}: {log_tail(job.log)} (log: {job.log})")

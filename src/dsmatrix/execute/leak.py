@@ -35,7 +35,9 @@ def run_leak(
         command = [str(pythons[build]), str(BENCH / "leak.py"), "--lifecycles", str(lifecycles), "--json", str(out)]
         started = time.monotonic()
         log = out.with_suffix(".log")
-        supervise([Job(f"leak benchmark ({label})", command + (["--drain"] if drain else []), env, log, port=port, output=out)], timeout_s)
+        supervise(
+            [Job(f"leak benchmark ({label})", command + (["--drain"] if drain else []), env, log, ports=(port,), output=out)], timeout_s
+        )
         line = {"line": label, "build": build, "drain": drain, "file": f"bench/{out.name}", **json.loads(out.read_text())}
         lines.append({**line, "duration_s": round(time.monotonic() - started, 1)})
     return lines

@@ -1,17 +1,20 @@
 """Step time, stock vs patched: rounds of interleaved steps until the sequential rule decides.
 
 Stock and patched live in different environments, so they are measured in different processes.
-Each round starts three at once, stock, patched and stock again, pinned to one CPU, and lets
-exactly one run at a time: each parks before every timed step (``payload/bench/turns.py``) and
-the driver hands the turn round-robin, in an order rotated from round to round. Their steps
-interleave one by one, so the machine's drifts hit every build alike. Every process is timed in
-CPU time with one intra-op thread (``STABLE_PROCESS``, ``TIMER``), runs
-``payload/bench/bench_step.py`` under pytest-benchmark and saves its JSON; one process gives one
-median per benchmark.
+Each build has one benchmark host (``payload/bench/bench_host.py``) that imports torch and
+DeepSpeed once and forks a pytest-benchmark worker (``payload/bench/bench_step.py``) per round
+and lane: a lane is one CPU, and a round is three workers on it, stock, patched and stock again,
+of which exactly one runs at a time. Each parks before every timed step (``payload/bench/turns.py``)
+and the driver hands the turn round-robin, in an order rotated from round to round, so the
+machine's drifts hit every build alike. A worker builds ``RoundShape.engines`` engines in turn and
+times ``RoundShape.steps`` steps on each, in CPU time with one intra-op thread (``STABLE_PROCESS``,
+``TIMER``), and saves its JSON (readable with ``pytest-benchmark compare``); one worker gives one
+median per benchmark, one round one ratio. Lanes run side by side, so two CPUs give two rounds at a time.
 
 After every third round, ``judge.step_time`` decides or asks for more (its sequential rule
 stops as soon as every step comparison and its A/A calibration is decided); rounds also stop at
-the round cap or the time budget. Timings taken under emulation are never judged.
+the round cap or the time budget (``minutes`` per dtype x checkpointing combination measured).
+Timings taken under emulation are never judged.
 
 The cell's throughput verdict combines this with executed instructions (``dsmatrix.execute.instructions``):
 see ``judge.throughput.cell_throughput``.
@@ -24,21 +27,32 @@ import os
 import select
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsmatrix.execute.launch import Job, free_port, supervise, test_environment
+from dsmatrix.execute.launch import Job, free_port, job_error, supervise, test_environment
 from dsmatrix.infra.errors import RunError
 from dsmatrix.infra.locations import suite_path
 from dsmatrix.judge.step_time import CONFIDENCE, DEFAULT_MARGIN, RULE, Comparison, certifiable_margin, compare, decided, throughput_verdict
 
 BENCH = suite_path("bench")
-DEFAULT_MAX_ROUNDS = 45  # a multiple of 3: every build takes every turn position equally often
-DEFAULT_MINUTES = 9.0  # time budget of the step-time rounds of one cell
+DEFAULT_MAX_ROUNDS = 48  # a multiple of 3 and of the lanes: every build takes every turn position equally often
+DEFAULT_MINUTES = 4.0  # time budget of the step-time rounds, per dtype x checkpointing combination
 LOOK_EVERY = 3
-STEPS = 50  # timed training steps per process
+DEFAULT_LANES = 2
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """What one worker measures per benchmark: ``engines`` engines in turn, ``steps`` timed steps
+    each (docs/measurements.md, "Where step-time variance lives", for the choice)."""
+
+    engines: int = 4
+    steps: int = 5
+
+
 # CPU time of the benchmark process, not wall time: on a shared VM (this machine is one) wall time
 # carries other tenants' steal time and scheduling, which made stock-vs-stock (A/A) rounds differ
 # by up to 30%. With one intra-op thread, process CPU time is the work the step really does.
@@ -53,21 +67,31 @@ STABLE_PROCESS = {
 }
 
 
+def merge_rounds(rounds: Sequence[Path], target: Path) -> Path:
+    """One build's rounds as one pytest-benchmark JSON (each benchmark named with its round, in
+    the order measured), for ``pytest-benchmark compare``; the per-round files are removed."""
+    merged = json.loads(rounds[0].read_text())
+    merged["benchmarks"] = []
+    for index, path in enumerate(rounds, start=1):
+        for bench in json.loads(path.read_text()).get("benchmarks", []):
+            bench["name"] += f"-round{index:02d}"
+            bench["fullname"] += f"-round{index:02d}"
+            merged["benchmarks"].append(bench)
+    target.write_text(json.dumps(merged, indent=1))
+    for path in rounds:
+        path.unlink()
+    return target
+
+
 def read_medians(path: Path) -> dict[str, float]:
     """Benchmark name -> median seconds, from one pytest-benchmark JSON file."""
     data = json.loads(path.read_text())
     return {b["name"]: float(b["stats"]["median"]) for b in data.get("benchmarks", [])}
 
 
-def _pin_to_one_cpu() -> None:
-    """Every benchmark process on the same (last) CPU: vCPUs of a shared VM do not run alike."""
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[-1]})
-
-
 @dataclass(frozen=True)
 class _Turns:
-    """The driver's ends of one process's turn pipes: the turn handed over, the turn given back."""
+    """The driver's ends of one host's turn pipes: the turn (or a round) handed over, the turn given back."""
 
     label: str
     go: int
@@ -75,68 +99,103 @@ class _Turns:
     log: Path
 
 
-def _turn_taker(label: str, python: Path, extensions_dir: Path, runtime: Mapping[str, Sequence[str]], out: Path) -> tuple[Job, _Turns]:
+def round_json(out_dir: Path, name: str, lane: int | str, index: int | str, label: str) -> Path:
+    """Where the worker of ``label`` in ``lane`` writes its pytest-benchmark JSON for that lane's round ``index``."""
+    return out_dir / f"{name}-bench-l{lane}-r{index}-{label}.json"
+
+
+def _host(
+    label: str,
+    cpus: Sequence[int],
+    python: Path,
+    extensions_dir: Path,
+    runtime: Mapping[str, Sequence[str]],
+    out_dir: Path,
+    name: str,
+    shape: RoundShape,
+) -> tuple[Job, list[_Turns]]:
+    """One build's benchmark host (``payload/bench/bench_host.py``): it warms up once, then serves
+    one lane per CPU in ``cpus``, forking a pytest-benchmark worker pinned to that CPU per round.
+    Each lane has its own turn pipes and rendezvous port."""
     command = [
-        str(python), "-m", "pytest", str(BENCH / "bench_step.py"), "-p", "no:cacheprovider", "-q",
-        f"--benchmark-json={out}", "--benchmark-disable-gc", "--benchmark-min-rounds=15", f"--benchmark-timer={TIMER}",
+        str(python), str(BENCH / "bench_host.py"), str(round_json(out_dir, name, "{lane}", "{round}", label)), "--",
+        str(BENCH / "bench_step.py"), "-p", "no:cacheprovider", "-q",
+        "--benchmark-disable-gc", "--benchmark-save-data", f"--benchmark-timer={TIMER}",
         f"--dtype={','.join(runtime['dtype'])}", f"--checkpointing={','.join(runtime['checkpointing'])}",
     ]  # fmt: skip
-    go_read, go_write = os.pipe()
-    parked_read, parked_write = os.pipe()
-    port = free_port()
+    log = out_dir / f"{name}-bench-{label}.log"
+    pipes = [(os.pipe(), os.pipe()) for _ in cpus]  # per lane: (go read, go write), (parked read, parked write)
+    ports = tuple(free_port() for _ in cpus)
     env = {
-        **test_environment(python, extensions_dir, port, 0, 1),
+        **test_environment(python, extensions_dir, ports[0], 0, 1),
         **STABLE_PROCESS,
-        "DSMATRIX_BENCH_STEPS": str(STEPS),
-        "DSMATRIX_BENCH_TURNS": f"{go_read},{parked_write}",
+        "DSMATRIX_BENCH_STEPS": str(shape.steps),
+        "DSMATRIX_BENCH_ENGINES": str(shape.engines),
+        "DSMATRIX_BENCH_TURNS": ";".join(f"{go[0]},{parked[1]}" for go, parked in pipes),
+        "DSMATRIX_BENCH_CPU": ",".join(map(str, cpus)),
+        "DSMATRIX_BENCH_PORTS": ",".join(map(str, ports)),
     }
-    log = out.with_suffix(".log")
-    job = Job(
-        f"benchmark process ({label})", command, env, log, cwd=BENCH, port=port, output=out,
-        inherited=(go_read, parked_write), popen={"preexec_fn": _pin_to_one_cpu},
-    )  # fmt: skip
-    return job, _Turns(label, go_write, parked_read, log)
+    inherited = tuple(fd for go, parked in pipes for fd in (go[0], parked[1]))
+    job = Job(f"benchmark host ({label})", command, env, log, cwd=BENCH, ports=ports, inherited=inherited)
+    return job, [_Turns(f"{label} (lane {lane})", go[1], parked[0], log) for lane, (go, parked) in enumerate(pipes)]
 
 
-def _wait_parked(turns: _Turns, proc: subprocess.Popen[bytes], deadline: float) -> bool:
-    """Wait until the process gives its turn back (True) or exits (False)."""
-    remaining = deadline - time.monotonic()
-    ready, _, _ = select.select([turns.parked], [], [], max(0.0, remaining))
+def _answer(turns: _Turns, deadline: float) -> bytes:
+    """The next byte a host or its worker sends: ``.`` parked, ``d`` round done, ``x`` worker failed."""
+    ready, _, _ = select.select([turns.parked], [], [], max(0.0, deadline - time.monotonic()))
     if not ready:
         raise RunError(f"benchmark round timed out while {turns.label} had the turn (log: {turns.log})")
-    if os.read(turns.parked, 1):
-        return True
-    proc.wait()
-    return False
+    answer = os.read(turns.parked, 1)
+    if not answer:
+        raise job_error(f"benchmark host ({turns.label})", "exited during a round", turns.log)
+    return answer
 
 
-def _hand_turns(turns: Sequence[_Turns]) -> Callable[[Sequence[subprocess.Popen[bytes]], float], None]:
-    """The round's driver: hand the turn round-robin until every process has exited, so exactly one runs at a time."""
+def _one_round(rings: Sequence[Sequence[_Turns]], deadline: float) -> None:
+    """Start a round in every host, then in each ring (a lane: hosts sharing one CPU) hand the turn
+    round-robin in the order given until each worker has ended, so exactly one process per lane
+    runs at a time. Lanes run side by side."""
+    ended: dict[str, bytes] = {}
+    for ring in rings:
+        for taker in ring:
+            os.write(taker.go, b"r")
+    for ring in rings:
+        for taker in ring:  # each worker parks before anything heavy runs
+            if (answer := _answer(taker, deadline)) != b".":
+                ended[taker.label] = answer
+    holders: dict[int, tuple[int, _Turns]] = {}  # parked fd -> (ring, taker holding the turn)
 
-    def drive(procs: Sequence[subprocess.Popen[bytes]], deadline: float) -> None:
-        live = [(t, p) for t, p in zip(turns, procs, strict=True) if _wait_parked(t, p, deadline)]
-        while live:
-            for taker in list(live):
-                os.write(taker[0].go, b"g")
-                if not _wait_parked(*taker, deadline):
-                    live.remove(taker)
+    def hand_on(ring: int, after: int) -> None:
+        takers = rings[ring]
+        for step in range(1, len(takers) + 1):
+            taker = takers[(after + step) % len(takers)]
+            if taker.label not in ended:
+                os.write(taker.go, b"g")
+                holders[taker.parked] = (ring, taker)
+                return
 
-    return drive
+    for ring in range(len(rings)):
+        hand_on(ring, -1)
+    while holders:
+        ready, _, _ = select.select(list(holders), [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise RunError(f"benchmark round timed out while {next(iter(holders.values()))[1].label} had the turn")
+        for fd in ready:
+            ring, taker = holders.pop(fd)
+            if (answer := _answer(taker, deadline)) != b".":
+                ended[taker.label] = answer
+            hand_on(ring, rings[ring].index(taker))
+    failed = [taker for ring in rings for taker in ring if ended[taker.label] != b"d"]
+    if failed:
+        raise job_error(f"benchmark worker ({failed[0].label})", "failed", failed[0].log)
 
 
-def _bench_round(
-    builds: Sequence[tuple[str, Path, Path]], runtime: Mapping[str, Sequence[str]], out_dir: Path, stem: str, timeout_s: float
-) -> dict[str, dict[str, float]]:
-    """One round: the given builds' processes started together and run in strict turns;
-    label -> benchmark -> median seconds."""
-    takers = [_turn_taker(label, python, ext, runtime, out_dir / f"{stem}-{label}.json") for label, python, ext in builds]
-    try:
-        supervise([job for job, _ in takers], timeout_s, _hand_turns([turns for _, turns in takers]))
-    finally:
-        for _, turns in takers:
-            os.close(turns.go)
-            os.close(turns.parked)
-    return {turns.label: read_medians(job.output) for job, turns in takers if job.output is not None}
+def lane_cpus() -> list[int]:
+    """The CPUs benchmark lanes run on, one lane per CPU: the last ``DSMATRIX_BENCH_LANES`` (default
+    2) this process may use."""
+    cpus = sorted(os.sched_getaffinity(0))
+    wanted = int(os.environ.get("DSMATRIX_BENCH_LANES", str(DEFAULT_LANES)))
+    return cpus[-max(1, min(wanted, len(cpus))) :]
 
 
 def run_rounds(
@@ -148,7 +207,8 @@ def run_rounds(
     max_rounds: int = DEFAULT_MAX_ROUNDS,
     minutes: float = DEFAULT_MINUTES,
     margin: float = DEFAULT_MARGIN,
-    timeout_s: float = 1800,
+    timeout_s: float | None = None,
+    shape: RoundShape = RoundShape(),
 ) -> dict[str, Any]:
     """Rounds of stock, patched and stock-again processes taking strict turns (the order rotated
     from round to round) until the sequential rule decides every step comparison and its A/A
@@ -157,7 +217,7 @@ def run_rounds(
     order = (("stock", "stock"), ("patched", "patched"), ("stock-again", "stock"))
     medians: dict[str, list[dict[str, float]]] = {label: [] for label, _ in order}
     started = time.monotonic()
-    budget_s = minutes * 60
+    budget_s = minutes * 60 * len(runtime["dtype"]) * len(runtime["checkpointing"])
 
     def comparisons() -> tuple[list[Comparison], list[Comparison]]:
         names = sorted(set.intersection(*(set(m) for label in medians for m in medians[label])))
@@ -169,21 +229,50 @@ def run_rounds(
         return fix, [compare(b, series("stock", b), series("stock-again", b), margin) for b in names]
 
     stopped = f"round cap ({max_rounds})"
-    index = 0
-    while index < max_rounds:
-        round_started = time.monotonic()
-        rotated = order[index % 3 :] + order[: index % 3]
-        builds = [(label, pythons[build], extensions[build]) for label, build in rotated]
-        for label, result in _bench_round(builds, runtime, out_dir, f"{name}-bench-r{index + 1}", timeout_s).items():
-            medians[label].append(result)
-        index += 1
-        if index % LOOK_EVERY == 0 and decided([c for pair in comparisons() for c in pair]):
-            stopped = "decided"
-            break
-        spent, last = time.monotonic() - started, time.monotonic() - round_started
-        if spent + last > budget_s and index < max_rounds:
-            stopped = f"time budget ({minutes:g} min)"
-            break
+    index = 0  # rounds measured, over every lane
+    lanes = range(len(lane_cpus()))
+    hosts = {label: _host(label, lane_cpus(), pythons[build], extensions[build], runtime, out_dir, name, shape) for label, build in order}
+    takers = {(lane, label): hosts[label][1][lane] for lane in lanes for label, _ in order}
+    ours = {fd for turns in takers.values() for fd in (turns.go, turns.parked)}
+    files: dict[str, list[Path]] = {label: [] for label, _ in order}
+
+    def close(fd: int) -> None:
+        if fd in ours:
+            ours.discard(fd)
+            os.close(fd)
+
+    def drive(procs: Sequence[subprocess.Popen[bytes]], deadline: float) -> None:
+        nonlocal index, stopped
+        for turns in takers.values():  # each lane's server says it is ready once its host is warm
+            if _answer(turns, deadline) != b".":
+                raise job_error(f"benchmark host ({turns.label})", "failed to start", turns.log)
+        sweep = 0
+        while index < max_rounds:
+            round_started = time.monotonic()
+            rotations = {lane: (index + lane) % 3 for lane in lanes}  # every build takes every turn position alike
+            rings = [[takers[lane, label] for label, _ in order[r:] + order[:r]] for lane, r in rotations.items()]
+            _one_round(rings, deadline)
+            sweep += 1
+            for lane in lanes:
+                index += 1
+                for label, _ in order:
+                    files[label].append(round_json(out_dir, name, lane, sweep, label))
+                    medians[label].append(read_medians(files[label][-1]))
+            if index % LOOK_EVERY == 0 and decided([c for pair in comparisons() for c in pair]):
+                stopped = "decided"
+                break
+            spent, last = time.monotonic() - started, time.monotonic() - round_started
+            if spent + last > budget_s and index < max_rounds:
+                stopped = f"time budget ({budget_s / 60:g} min)"
+                break
+        for turns in takers.values():  # end of file: every host exits
+            close(turns.go)
+
+    try:
+        supervise([job for job, _ in hosts.values()], timeout_s or budget_s + 900, drive)
+    finally:
+        for fd in list(ours):
+            close(fd)
     fix, calibration = comparisons()
     return {
         "rounds": index,
@@ -198,6 +287,7 @@ def run_rounds(
         "calibration_verdict": throughput_verdict(calibration),
         "certifiable_margin": certifiable_margin(calibration),
         "medians_s": {label: medians[label] for label in medians},
-        "files": sorted(str(p.name) for p in out_dir.glob(f"{name}-bench-r*.json")),
+        "files": [merge_rounds(files[label], out_dir / f"{name}-bench-{label}.json").name for label in files if files[label]],
+        "lanes": len(lanes),
         "duration_s": round(time.monotonic() - started, 1),
     }

@@ -6,7 +6,7 @@ anytime-valid 95% confidence sequence for the mean log ratio: the t confidence s
 Lindon et al. (2024), from ``savvi``, intersected over the rounds so far. Its coverage holds
 however many times it is looked at, so stopping as soon as it decides keeps the stated error
 rate (5% per comparison). ``no-regression`` when the upper bound of the ratio is <= 1 + margin
-(default 2%), ``regression`` when the lower bound is > 1 + margin, otherwise ``inconclusive``.
+(default 3.5%), ``regression`` when the lower bound is > 1 + margin, otherwise ``inconclusive``.
 The A/A calibration (stock vs stock again, same rounds) must come out ``no-regression``.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from dsmatrix.judge.throughput import INCONCLUSIVE, NO_REGRESSION, NOT_MEASURED, REGRESSION, STEP, kind_of, margin_certified_by
 
-DEFAULT_MARGIN = 0.02
+DEFAULT_MARGIN = 0.035
 
 CONFIDENCE = 0.95
 

@@ -11,7 +11,7 @@ NO_REGRESSION, REGRESSION, INCONCLUSIVE, NOT_MEASURED = "no-regression", "regres
 
 HEADLINE_RULE = (
     "a cell's throughput is decided on the training step by executed instructions where valgrind counts them "
-    "(near-deterministic: margin {instructions:.1%}, A/A within {tolerance:.2%}), else by step time (margin {time:.0%}, "
+    "(near-deterministic: margin {instructions:.1%}, A/A within {tolerance:.2%}), else by step time (margin {time:.1%}, "
     "A/A calibration no-regression); a regression decided by either metric fails the cell (by step time unless its A/A "
     "calibration is itself a regression): instructions do not see time spent waiting"
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -72,10 +73,13 @@ def _throughput(cell: dict[str, Any]) -> dict[str, Any] | None:
         return None
     keys = ("verdict", "reason", "rule", "rounds", "margin", "comparisons", "calibration", "calibration_verdict", "certifiable_margin")
     keys += ("leak", "time_verdict", "decided_by", "stopped", "max_rounds", "minutes", "rounds_duration_s", "duration_s", "instructions")
+    keys += ("lanes",)
     out = {k: bench[k] for k in keys if k in bench}
     if "calibration" in bench and "certifiable_margin" not in bench:  # results written before it was recorded
         out["certifiable_margin"] = margin_certified_by(c["high"] for c in bench["calibration"] if kind_of(c["benchmark"]) == STEP)
     out.setdefault("time_verdict", bench["verdict"] if "comparisons" in bench else None)
+    # the merged per-build pytest-benchmark JSON (older runs kept one file per round: not copied)
+    out["files"] = [f"bench/{Path(f).name}" for f in bench.get("files", []) if not re.search(r"-r\d+-", Path(f).name)]
     return out
 
 

@@ -69,7 +69,7 @@ def ratio_plot(cells: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     if margin is not None:
         ax.axvline(1 + margin, color="tab:red", linestyle="--", linewidth=1, label=f"1 + margin ({margin:.0%})")
         ax.legend(fontsize=8)
-    ax.set_xlabel("patched/stock (or A/A): geometric mean of per-round median ratios, 95% bootstrap interval")
+    ax.set_xlabel("patched/stock (or A/A): geometric mean of per-round median ratios, anytime-valid 95% confidence sequence")
     ax.invert_yaxis()
     ax.grid(axis="x", alpha=0.3)
     paths = _save(fig, out_dir, "step-time-ratios")

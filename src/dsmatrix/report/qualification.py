@@ -35,6 +35,18 @@ def _copy_junit(sources: Sequence[Source], report: dict[str, Any], target: Path)
                 shutil.copy2(found[0], target / name)
 
 
+def _copy_benchmark_json(sources: Sequence[Source], report: dict[str, Any], target: Path) -> None:
+    """Each benchmarked cell's pytest-benchmark JSON (one file per build, every round in it)."""
+    roots = {s.summary["run_id"]: s.root for s in sources}
+    for cell in report["cells"]:
+        root = roots[cell["source"]["run_id"]]
+        for name in (cell.get("throughput") or {}).get("files", []):
+            found = root / "bench" / Path(name).name
+            if found.is_file():
+                (target / "bench").mkdir(parents=True, exist_ok=True)
+                shutil.copy2(found, target / "bench" / found.name)
+
+
 def write_report(stores: Sequence[Path], output: Path, plan: TierPlan | None = None) -> Path:
     """Write ``<output>/<id>/qualification.{md,html,json}``, the plots and the JUnit files; with a tier
     ``plan``, coverage is judged by it."""
@@ -49,6 +61,7 @@ def write_report(stores: Sequence[Path], output: Path, plan: TierPlan | None = N
             report["plots"][name] = {"png": paths[0].name, "svg": paths[1].name}
             images[name] = "data:image/png;base64," + base64.b64encode(paths[0].read_bytes()).decode()
     _copy_junit(sources, report, target)
+    _copy_benchmark_json(sources, report, target)
     write_json(target / "qualification.json", report)
     (target / "qualification.md").write_text(render_markdown(report))
     (target / "qualification.html").write_text(render_html(report, images))

@@ -17,32 +17,50 @@ import turns
 import zero3
 
 WIDTH = 1024
-STEPS = int(os.environ.get("DSMATRIX_BENCH_STEPS", "15"))  # timed steps per process (pytest-benchmark rounds)
+STEPS = int(os.environ.get("DSMATRIX_BENCH_STEPS", "5"))  # timed steps per engine
+ENGINES = int(os.environ.get("DSMATRIX_BENCH_ENGINES", "4"))  # engines per benchmark, one after the other
+WARMUP = 2  # untimed steps on the first engine (a new engine has run its trace steps)
+TRACE_STEPS = 3  # record the trace, then run on it (release cache filled)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def throwaway_first_benchmark() -> None:
-    """The first step benchmark of every process was the noisiest in every run: run one like it,
-    interleaved the same way, and throw it away."""
-    engine = zero3.build_engine(zero3.new_model("off", width=WIDTH), "fp32", reuse_distance=0)
-    for _ in range(STEPS):
+class Engines:
+    """The engines one benchmark measures in turn: a new one after every ``STEPS`` timed steps, so a
+    process samples several engines' memory layouts. ``setup`` is pytest-benchmark's (untimed)
+    setup: it parks (hands the turn on) and returns the current engine."""
+
+    def __init__(self, dtype: str, checkpointing: str) -> None:
+        self.dtype, self.checkpointing = dtype, checkpointing
+        self.calls = 0
+        self.engine = self._build()
+
+    def _build(self) -> Any:
+        engine = zero3.build_engine(zero3.new_model(self.checkpointing, width=WIDTH), self.dtype, reuse_distance=0)
+        for _ in range(TRACE_STEPS):
+            zero3.train_step(engine, self.dtype)
+        assert zero3.coordinator_of(engine).is_complete_trace(), "harness: the trace never completed"
+        return engine
+
+    def setup(self) -> tuple[tuple[Any, str], dict[str, Any]]:
         turns.park()
-        zero3.train_step(engine, "fp32")
-    engine.destroy()
+        timed = self.calls - WARMUP
+        if timed > 0 and timed % STEPS == 0:
+            self.engine.destroy()
+            self.engine = self._build()
+        self.calls += 1
+        return (self.engine, self.dtype), {}
+
+    def close(self) -> None:
+        self.engine.destroy()
 
 
 @pytest.fixture
-def engine(dtype: str, checkpointing: str) -> Iterator[Any]:
-    model = zero3.new_model(checkpointing, width=WIDTH)
-    engine = zero3.build_engine(model, dtype, reuse_distance=0)
-    for _ in range(3):  # record the trace, then run on it (release cache filled)
-        zero3.train_step(engine, dtype)
-    assert zero3.coordinator_of(engine).is_complete_trace(), "harness: the trace never completed"
-    yield engine
-    engine.destroy()
+def engines(dtype: str, checkpointing: str) -> Iterator[Engines]:
+    rotation = Engines(dtype, checkpointing)
+    yield rotation
+    rotation.close()
 
 
-def test_train_step(benchmark: Any, engine: Any, dtype: str) -> None:
-    benchmark.extra_info["kind"] = "step"
-    # turns.park (untimed setup) hands the CPU to the round's other processes before every step
-    benchmark.pedantic(zero3.train_step, args=(engine, dtype), setup=turns.park, rounds=STEPS, iterations=1, warmup_rounds=2)
+def test_train_step(benchmark: Any, engines: Engines) -> None:
+    benchmark.extra_info.update(kind="step", engines=ENGINES, steps_per_engine=STEPS)
+    # the setup (untimed) hands the CPU to the round's other processes before every step
+    benchmark.pedantic(zero3.train_step, setup=engines.setup, rounds=ENGINES * STEPS, iterations=1, warmup_rounds=WARMUP)
