@@ -40,7 +40,7 @@ from dsmatrix.judge.throughput import STEP, UNMEASURED
 from dsmatrix.judge.verdict import FIXED, INTERRUPTED_EXIT
 from dsmatrix.plan.cells import Cell, Selection, plan_cells
 from dsmatrix.plan.disk import LOW_DISK
-from dsmatrix.plan.git_source import GitSource, is_git, split_spec
+from dsmatrix.plan.git_source import GitSource, check_ref, is_git, split_spec
 from dsmatrix.plan.matrix import CELL_AXES, RUNTIME_AXES, Matrix, load_matrix
 from dsmatrix.report.qualification import load_report, write_report
 from dsmatrix.report.stores import TierPlan
@@ -161,6 +161,9 @@ def _git_sources(args: argparse.Namespace, cache: Cache) -> dict[str, list[str |
     wanted: dict[str, list[str | GitSource] | None] = dict(_wanted(args))  # type: ignore[arg-type]
     values = wanted.get("deepspeed") or []
     gits = [v for v in values if isinstance(v, str) and is_git(v)]
+    for option, ref in (("--base", args.base), ("--head", args.head)):
+        if ref is not None:
+            check_ref(ref, option)
     if (args.base or args.head) and not args.head:
         raise ConfigError("--base needs --head (PR mode: stock from the base ref, patched from the head ref)")
     if args.head and (len(gits) != 1 or len(values) != 1):

@@ -113,3 +113,87 @@ def test_plan_of_a_pr(fake_repo: Path, tmp_path: Path) -> None:
     (cell,) = json.loads(proc.stdout)["include"]
     assert cell["deepspeed"] == "0.19.6" and cell["git"]["head"]["ref"] == "refs/pull/7/head"
     assert "-pr.master." in cell["id"] and "..refs_pull_7_head." in cell["id"]
+
+
+INJECTIONS = [
+    ["--deepspeed", "git:{repo}@--upload-pack=touch {marker};#"],
+    ["--deepspeed", "git:--upload-pack=touch {marker};#://x"],
+    ["--deepspeed", "git:{repo}", "--base", "master", "--head", "--upload-pack=touch {marker};#"],
+    ["--deepspeed", "git:{repo}", "--base", "--upload-pack=touch {marker};#", "--head", "fix"],
+    ["--deepspeed", "git:{repo}@a:b"],
+    ["--deepspeed", "git:{repo}", "--base", "master", "--head", "a:b"],
+    ["--deepspeed", "git:ext::sh -c touch% {marker}"],
+    ["--deepspeed", "git:ssh://-oProxyCommand=touch {marker}/x"],
+    ["--deepspeed", "git:git@-oProxyCommand=touch {marker}:x"],
+]
+
+
+@pytest.mark.parametrize("args", INJECTIONS, ids=[" ".join(a)[:60] for a in INJECTIONS])
+def test_a_ref_or_location_never_becomes_a_git_option(fake_repo: Path, tmp_path: Path, args: list[str]) -> None:
+    """Refs and locations are checked before any git call (git's ref format, no leading '-', no
+    refspec ':', URL schemes and hosts): one line, exit 2 or 4, and the injected command never ran."""
+    marker = tmp_path / "INJECTED"
+    args = [a.replace("{repo}", str(fake_repo)).replace("{marker}", str(marker)) for a in args]
+    where = ["--cache-dir", str(tmp_path / "cache"), "--results", str(tmp_path / "r")]
+    proc = run_cli("matrix", "--tier", "smoke", *where, *args, "--plan", cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode in (2, 4), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("dsmatrix: error: "), proc.stderr
+    assert not marker.exists(), "the injected command ran"
+    assert not (tmp_path / "cache" / "git").exists() or proc.returncode == 4, "nothing was fetched for a refused ref"
+
+
+@pytest.mark.parametrize(
+    ("ref", "fine"),
+    [
+        ("master", True),
+        ("v0.19.6", True),
+        ("refs/pull/7/head", True),
+        ("HEAD", True),
+        ("edaa72212", True),
+        ("-x", False),
+        ("a:b", False),
+        ("a..b", False),
+        ("a b", False),
+        ("a~1", False),
+        ("a^", False),
+        ("a?", False),
+        ("a*", False),
+        ("a[", False),
+        ("a\\b", False),
+        ("@", False),
+        ("a@{1}", False),
+        ("/a", False),
+        ("a/", False),
+        ("a//b", False),
+        ("a.", False),
+        (".a", False),
+        ("a/.b", False),
+        ("a.lock", False),
+        ("a/b.lock/c", False),
+        ("a\nb", False),
+        ("", False),
+    ],
+)
+def test_ref_rules_are_gits_own(ref: str, fine: bool, tmp_path: Path) -> None:
+    """``ref_problem`` agrees with ``git check-ref-format --allow-onelevel`` (where git can be asked:
+    a leading '-' and an empty ref are refused before git sees them)."""
+    import subprocess
+
+    from dsmatrix.plan.git_source import ref_problem
+
+    assert (ref_problem(ref) is None) == fine, ref_problem(ref)
+    if ref and not ref.startswith("-"):
+        git_says = subprocess.run(["git", "check-ref-format", "--allow-onelevel", ref], capture_output=True).returncode == 0
+        assert git_says == fine or ref == "HEAD", f"git check-ref-format says {git_says} for {ref!r}"
+
+
+def test_a_version_txt_that_is_not_a_version_is_refused(fake_repo: Path, tmp_path: Path) -> None:
+    for text in ("../../etc", "9" * 5000, "0.19.6\nrm -rf /", "v0.19.6"):
+        git(fake_repo, "checkout", "-q", "master")
+        git(fake_repo, "checkout", "-qB", "odd")
+        (fake_repo / "version.txt").write_text(text + "\n")
+        git(fake_repo, "commit", "-qam", "odd version")
+        with pytest.raises(UnknownVersionError, match=r"version\.txt .* is not a DeepSpeed version such as 0\.19\.8") as raised:
+            resolve(f"git:{fake_repo}@odd", Cache(tmp_path / "cache"), "--deepspeed")
+        assert "\n" not in str(raised.value)

@@ -17,9 +17,14 @@ import re
 import subprocess
 from pathlib import Path
 
+from packaging.version import InvalidVersion, Version
+
 from dsmatrix.infra.cache import Cache, lock_for, materialise
 from dsmatrix.infra.errors import ConfigError, UnknownVersionError
-from dsmatrix.plan.git_source import GitCommit, GitSource, split_spec
+from dsmatrix.plan.git_source import GitCommit, GitSource, check_ref, split_spec
+
+MAX_VERSION_LENGTH = 40  # DeepSpeed's own are about 6 characters
+MIRRORED = ("+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*")
 
 
 def _git(args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -38,39 +43,50 @@ def mirror(location: str, cache: Cache) -> Path:
     with lock_for(repo):
         if not (repo / "HEAD").is_file():
             repo.mkdir(parents=True, exist_ok=True)
-            _git(["init", "--quiet", "--bare", str(repo)])
-        proc = _git(["fetch", "--quiet", "--force", "--prune", location, "+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*"], repo)
+            _git(["init", "--quiet", "--bare", "--end-of-options", str(repo)])
+        proc = _git(["fetch", "--quiet", "--force", "--prune", "--end-of-options", location, *MIRRORED], repo)
         if proc.returncode != 0:
             raise UnknownVersionError(f"git:{location}: cannot fetch: {_last_line(proc)}")
-        head = _git(["ls-remote", "--symref", location, "HEAD"], repo)
+        head = _git(["ls-remote", "--symref", "--end-of-options", location, "HEAD"], repo)
         target = re.search(r"^ref: (refs/heads/\S+)\s+HEAD", head.stdout, re.MULTILINE)
         if target:
-            _git(["symbolic-ref", "HEAD", target.group(1)], repo)
+            _git(["symbolic-ref", "--end-of-options", "HEAD", target.group(1)], repo)
     return repo
 
 
 def resolve(value: str, cache: Cache, where: str, ref: str | None = None) -> GitCommit:
     """Resolve ``git:LOCATION@REF`` (or LOCATION at ``ref``) to a commit with a ``version.txt``."""
     location, own_ref = split_spec(value, where)
-    ref = ref or own_ref or "HEAD"
+    ref = check_ref(ref or own_ref or "HEAD", where)
     repo = mirror(location, cache)
     commit = _rev_parse(repo, ref)
     if commit is None:  # a ref outside heads and tags (refs/pull/N/head) or a commit no branch holds
         with lock_for(repo):
-            fetched = _git(["fetch", "--quiet", location, ref], repo)
+            fetched = _git(["fetch", "--quiet", "--end-of-options", location, ref], repo)
             commit = _rev_parse(repo, "FETCH_HEAD") if fetched.returncode == 0 else None
             if commit is not None:
-                _git(["update-ref", f"refs/dsmatrix/{commit}", commit], repo)  # keep it from gc
+                _git(["update-ref", "--end-of-options", f"refs/dsmatrix/{commit}", commit], repo)  # keep it from gc
     if commit is None:
         raise UnknownVersionError(f"{where}: git:{location}@{ref}: no such branch, tag, ref or commit")
-    shown = _git(["show", f"{commit}:version.txt"], repo)
+    shown = _git(["show", "--end-of-options", f"{commit}:version.txt"], repo)
     if shown.returncode != 0 or not shown.stdout.strip():
         raise UnknownVersionError(f"{where}: git:{location}@{ref} ({commit[:10]}) is not a DeepSpeed source: no version.txt")
-    return GitCommit(location, ref, commit, shown.stdout.strip())
+    return GitCommit(location, ref, commit, _deepspeed_version(shown.stdout.strip(), f"{where}: git:{location}@{ref} ({commit[:10]})"))
+
+
+def _deepspeed_version(text: str, where: str) -> str:
+    """A commit's ``version.txt`` as a DeepSpeed version (it names cells, caches and wheels)."""
+    try:  # the length first: a 5000-digit release number is beyond int() itself
+        version = Version(text) if len(text) <= MAX_VERSION_LENGTH else None
+    except (InvalidVersion, ValueError):
+        version = None
+    if version is None or str(version) != text:
+        raise UnknownVersionError(f"{where}: version.txt {text[:40]!r} is not a DeepSpeed version such as 0.19.8")
+    return text
 
 
 def _rev_parse(repo: Path, ref: str) -> str | None:
-    proc = _git(["rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"], repo)
+    proc = _git(["rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}"], repo)
     return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else None
 
 
@@ -82,7 +98,8 @@ def source_tarball(commit: GitCommit, cache: Cache) -> Path:
         repo = cache.git(commit.location)
         if _rev_parse(repo, commit.commit) is None:  # a cache emptied since the ref was resolved
             repo = mirror(commit.location, cache)
-        proc = _git(["archive", "--format=tar.gz", f"--prefix=deepspeed-{commit.short}/", "-o", str(staging / name), commit.commit], repo)
+        archive = ["archive", "--format=tar.gz", f"--prefix=deepspeed-{commit.short}/", "-o", str(staging / name)]
+        proc = _git([*archive, "--end-of-options", commit.commit], repo)
         if proc.returncode != 0:
             raise UnknownVersionError(f"{commit.spec} ({commit.short}): git archive failed: {_last_line(proc)}")
 
@@ -95,7 +112,7 @@ def changed_diff(source: GitSource, cache: Cache) -> str:
     if source.head is None:
         raise ConfigError("changed_diff needs a PR-mode source")
     repo = cache.git(source.base.location)
-    proc = _git(["diff", "--no-color", "--no-renames", "--no-ext-diff", source.base.commit, source.head.commit], repo)
+    proc = _git(["diff", "--no-color", "--no-renames", "--no-ext-diff", "--end-of-options", source.base.commit, source.head.commit], repo)
     if proc.returncode != 0:
         raise UnknownVersionError(f"{source.base.spec}: git diff {source.base.short} {source.head.short} failed: {_last_line(proc)}")
     return proc.stdout

@@ -7,11 +7,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from dsmatrix.infra.cache import safe_name
 from dsmatrix.infra.errors import ConfigError, UnknownVersionError
 
 PREFIX = "git:"
+URL_SCHEMES = ("https", "http", "ssh", "git", "file")
+_SCP_LIKE = re.compile(r"^[\w.-]+@(?P<host>[\w.-]+):")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# git-check-ref-format(1), rule 4, 5 and 10: control characters, space, ~ ^ : ? * [ and backslash
+_REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
 
 
 @dataclass(frozen=True, order=True)
@@ -94,9 +100,52 @@ def is_git(value: str) -> bool:
     return value.startswith(PREFIX)
 
 
+def ref_problem(ref: str) -> str | None:
+    """What makes ``ref`` unusable, by git-check-ref-format(1) (one-level names allowed, as for a
+    branch, tag or commit given on the command line), and never an option or a refspec; None if fine."""
+    if not ref:
+        return "it is empty"
+    if ref.startswith("-"):
+        return "it starts with '-'"
+    if ":" in ref:
+        return "':' would make it a refspec"
+    if _REF_FORBIDDEN.search(ref):
+        return "it holds a space, a control character or one of ~ ^ ? * [ \\"
+    if ref == "@" or "@{" in ref or ".." in ref:
+        return "'@', '@{' and '..' are not allowed"
+    if ref.startswith("/") or ref.endswith(("/", ".")) or "//" in ref:
+        return "it starts or ends with '/', ends with '.' or holds '//'"
+    if any(part.startswith(".") or part.endswith(".lock") for part in ref.split("/")):
+        return "a part starts with '.' or ends with '.lock'"
+    return None
+
+
+def check_ref(ref: str, where: str) -> str:
+    """``ref`` unchanged, or a one-line ConfigError naming ``where`` and why git would refuse it."""
+    problem = ref_problem(ref)
+    if problem:
+        raise ConfigError(f"{where}: {ref!r} is not a git ref: {problem}")
+    return ref
+
+
+def _check_location(location: str, value: str, where: str) -> None:
+    """A URL of a known scheme whose host is not an option, an scp-like ``user@host:path``, or a path."""
+    if location.startswith("-") or _CONTROL.search(location):
+        raise ConfigError(f"{where}: {value!r}: a repository location cannot start with '-' or hold control characters")
+    scp = _SCP_LIKE.match(location)
+    if "://" in location:
+        url = urlsplit(location)
+        if url.scheme not in URL_SCHEMES or any((part or "").startswith("-") for part in (url.hostname, url.username)):
+            schemes = ", ".join(f"{s}://" for s in URL_SCHEMES)
+            raise ConfigError(f"{where}: {value!r}: a repository URL is {schemes} with a host not starting with '-'")
+    elif scp and scp.group("host").startswith("-"):
+        raise ConfigError(f"{where}: {value!r}: a repository host cannot start with '-'")
+
+
 def split_spec(value: str, where: str) -> tuple[str, str]:
     """``git:LOCATION@REF`` as (location, ref); the ref is what follows the last ``@`` unless that
-    contains ``:`` (``git@host:org/repo`` has no ref). A local location becomes an absolute path."""
+    contains ``:`` (``git@host:org/repo`` has no ref). A local location becomes an absolute path.
+    Both are checked (``check_ref``; a location is never an option): a one-line ConfigError."""
     rest = value[len(PREFIX) :]
     location, ref = rest, ""
     if "@" in rest:
@@ -105,7 +154,10 @@ def split_spec(value: str, where: str) -> tuple[str, str]:
             location, ref = head, tail
     if not location or location.startswith("@"):
         raise ConfigError(f"{where}: {value!r}: say which repository (git:URL_OR_PATH@REF)")
-    if "://" not in location and not re.match(r"^[\w.-]+@[\w.-]+:", location):
+    _check_location(location, value, where)
+    if ref:
+        check_ref(ref, f"{where} {value!r}")
+    if "://" not in location and not _SCP_LIKE.match(location):
         path = Path(location).expanduser()
         if not path.exists():
             raise UnknownVersionError(f"{where}: {value!r}: {location} does not exist")
