@@ -43,6 +43,7 @@ from dsmatrix.plan.disk import LOW_DISK
 from dsmatrix.plan.git_source import GitSource, check_ref, is_git, split_spec
 from dsmatrix.plan.matrix import CELL_AXES, RUNTIME_AXES, Matrix, load_matrix
 from dsmatrix.report.qualification import load_report, write_report
+from dsmatrix.report.render import render_markdown
 from dsmatrix.report.stores import TierPlan
 
 
@@ -396,8 +397,8 @@ def _tier_plan(args: argparse.Namespace) -> TierPlan | None:
 
 def command_report(args: argparse.Namespace) -> int:
     target = write_report(args.stores, args.output, _tier_plan(args))
-    print((target / "qualification.md").read_text())
     report = load_report(target)
+    print(render_markdown(report, "summary"))
     print(f"dsmatrix: {report['verdict']}: {report['verdict_summary']}; {target}/qualification.{{md,html,json}}")
     if args.require and not passes(report["verdict"], args.require):
         print(f"dsmatrix: --require {args.require}: the headline is {report['verdict']}", file=sys.stderr)

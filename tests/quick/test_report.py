@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
 import shutil
 from pathlib import Path
 
 import jsonschema
 import pytest
 from helpers import REPO
-from stores import ARM_FIXED, ERRORED, EXCLUDED, FIXED, NOT_FIXED, PATCH, benchmarks, cell, pair, store
+from stores import ARM_FIXED, ERRORED, EXCLUDED, FIXED, NOT_FIXED, PATCH, benchmarks, cell, outcome, pair, store
 
 from dsmatrix.cli import main
 from dsmatrix.infra.errors import ConfigError, ResultsError
 from dsmatrix.infra.hosts import native_platform
 from dsmatrix.plan.cells import plan_cells
 from dsmatrix.plan.matrix import load_matrix
+from dsmatrix.report.content import BUILDS, build_report
 from dsmatrix.report.qualification import SCHEMA_FILE, load_report, write_report
-from dsmatrix.report.stores import TierPlan
+from dsmatrix.report.render import render_markdown
+from dsmatrix.report.stores import TierPlan, load_source, merge
 
 EARLIER, LATER = 1_796_000_000.0, 1_796_000_001.0  # two runs' start, a second apart: their ids order them
 
@@ -54,9 +59,13 @@ def test_fixed_not_fixed_excluded_and_error_cells_render_in_all_three_formats(tm
     assert "## ❌ NOT QUALIFIED" in md
     for row in ("| **fixed** | no-regression |", "| **not-fixed** | not measured |", "| **error** | not measured |"):
         assert row in md
-    assert "| `test_retrace::t[fp32]@ws1` | retrace | – / – | FAIL / FAIL | FAIL / pass |" in md
+    assert md.index("## ❌ NOT QUALIFIED") < md.index("| cell | verdict |") < md.index("## Failures (2 cell(s))") < md.index("Rule:")
+    assert "| **fixed** | no-regression | 0.995 [0.980, 1.010] no-regression | 1.00040 no-regression |" in md
+    assert "  - patched `test_retrace::t[fp32]@ws1`: release decisions differ" in md
+    assert "| retrace |" not in md and "pip freeze (" not in md, "the per-test grid and the environments are in the HTML and JSON"
+    assert (target / "summary.md").read_text() == md[: len((target / "summary.md").read_text())], "the summary opens the report"
     assert "| matrix(py3.13, torch2.4.1, ds0.19.8) | `torch-2.4-has-no-cp313` | torch 2.4.1 publishes no CPython 3.13 wheels |" in md
-    assert "- **matrix(py3.11, torch2.13.0+cpu, ds0.19.6)**: matrix(py3.11, torch2.13.0+cpu, ds0.19.6) stock: install torch" in md
+    assert "- **matrix(py3.11, torch2.13.0+cpu, ds0.19.6)**: error: matrix(py3.11, torch2.13.0+cpu, ds0.19.6) stock: install torch" in md
     assert 'when = { python = "==3.11", torch = "==2.13.0+cpu", deepspeed = "==0.19.6" }' in md
     assert "| stock | +64 MB over 3 | 3 | 12 | 3 |" in md and "[leak-rss.png](leak-rss.png)" in md
     assert "30.00 ms / 29.85 ms" in md
@@ -64,6 +73,7 @@ def test_fixed_not_fixed_excluded_and_error_cells_render_in_all_three_formats(tm
 
     html = (target / "qualification.html").read_text()
     assert '<div id="verdict" class="verdict NOT-QUALIFIED">NOT QUALIFIED</div>' in html
+    assert "test_retrace::t[fp32]@ws1" in html and "deepspeed==0.19.8+zfix.ab" in html
     assert 'class="o s-fixed"' in html and 'class="o s-broken"' in html and "torch-2.4-has-no-cp313" in html
     assert "<link" not in html and "<script" not in html, "one self-contained page: no external resources"
     assert html.count("data:image/png;base64,") == 2, "both plots embedded"
@@ -76,6 +86,52 @@ def test_markup_in_results_is_escaped_in_html(tmp_path: Path) -> None:
     store(tmp_path / "results", [FIXED, nasty])
     html = (write_report([tmp_path / "results"], tmp_path / "reports") / "qualification.html").read_text()
     assert "<script>alert(1)</script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt; &amp; friends" in html
+
+
+FORGED = "boom\n## FAKE HEADING: QUALIFIED"
+UNESCAPED_PIPE = re.compile(r"(?<!\\)\|")
+
+
+def _blocks(markdown: str) -> list[str]:
+    """What a line of ``markdown`` opens: a heading's text or a table row's cell count (``|`` unescaped)."""
+    opened = []
+    for line in markdown.splitlines():
+        if re.match(r" {0,3}#{1,6}(\s|$)", line):
+            opened.append(line)
+        elif line.startswith("|"):
+            opened.append(f"{len(UNESCAPED_PIPE.findall(line))} cells")
+    return opened
+
+
+def test_text_from_results_cannot_steer_the_markdown(tmp_path: Path) -> None:
+    """A failure message, a test id, a reason, an exclusion and what a bug test observed carry a forged
+    heading, HTML, backticks, pipes and newlines: each renders as its text, in the report, its summary,
+    the evidence for the PR and what ``dsmatrix report`` prints; no heading or table row appears."""
+    test_id = "test_x[`a|b`]"
+    tests = {"stock": {test_id: {**outcome("failed", "retrace", "x"), "bug_observed": FORGED + " | <b>"}},
+             "patched": {test_id: outcome("failed", "retrace", FORGED + " <img src=x onerror=alert(1)> | `)")}}  # fmt: skip
+    hunk = {"file": "deepspeed/x.py", "header": "@@ -1 +1 @@ |", "lines": 1, "executed": 1, "missing": [], "tests": [test_id]}
+    coverage = {"changed_lines": 1, "executed_lines": 1, "missing": [], "hunks": [hunk], "not_measured": []}
+    forged = cell("0.19.5", "not-fixed", [FORGED, "<script>x</script>"], tests, change_coverage=coverage)
+    excluded = {**EXCLUDED, "reason": FORGED + " | extra cell"}
+    clean = cell("0.19.5", "not-fixed", ["plain"], {b: {test_id.replace("`", ""): outcome("failed", "retrace", "plain")} for b in BUILDS})
+    store(tmp_path / "forged", [forged], excluded=[excluded])
+    clean["change_coverage"] = {**coverage, "hunks": [{**hunk, "header": "@@ -1 +1 @@"}]}
+    store(tmp_path / "clean", [clean], excluded=[EXCLUDED])
+    written = {}
+    for name in ("forged", "clean"):
+        target = write_report([tmp_path / name], tmp_path / f"{name}-reports")
+        written[name] = {f: (target / f).read_text() for f in ("qualification.md", "summary.md", "evidence.md")}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        main(["report", str(tmp_path / "forged"), "--output", str(tmp_path / "again")])
+    written["forged"]["printed"] = printed.getvalue()
+    written["clean"]["printed"] = written["clean"]["summary.md"]
+    for name, text in written["forged"].items():
+        assert _blocks(text) == _blocks(written["clean"][name]), f"{name}: the forged text opened a heading or a table cell"
+        assert "FAKE HEADING" in text and not re.search(r"(?<!\\)<(img|script|b>)", text), name
+    assert "\\#\\# FAKE HEADING: QUALIFIED \\<img src=x onerror=alert(1)\\> \\| \\`)" in written["forged"]["qualification.md"]
+    assert "``test_x[`a|b`]``" in written["forged"]["summary.md"] and "``test_x[`a\\|b`]``" in written["forged"]["evidence.md"]
 
 
 def test_all_fixed_is_qualified_and_a_throughput_regression_is_not(tmp_path: Path) -> None:
@@ -298,3 +354,20 @@ def test_the_evidence_section_lists_the_branches_compared_with_stock(tmp_path: P
     assert "guards never raised (a branch into `raise`, not counted): `c.py:648` (`if not self.is_complete_trace():`)" in md
     html = (target / "qualification.html").read_text()
     assert "<strong>11/12 branches, each compared with stock</strong>" in html and "c.py:520-&gt;521" in html
+
+
+def test_the_step_summary_of_a_90_cell_release_tier_stays_under_githubs_limit(tmp_path: Path) -> None:
+    """GitHub refuses a job summary over 1 MiB. The release tier plans 90 cells: a synthetic store
+    of 90 copies of the nightly tier's largest real cell (benchmarked, with evidence) stays under it."""
+    largest = max((REPO / "docs" / "nightly" / "results").glob("*/cells/*.json"), key=lambda p: p.stat().st_size)
+    real = json.loads(largest.read_text())
+    cells = []
+    for i in range(90):
+        ids = {"id": f"{real['cell']['id']}-{i}", "label": f"{real['cell']['label'][:-1]}, copy {i})"}
+        cells.append({**real, "cell": {**real["cell"], **ids}, "fingerprint": f"fp-{i}", "benchmarks": FIXED["benchmarks"]})
+    store(tmp_path / "release", cells)
+    sources = [load_source(tmp_path / "release")]
+    merged, excluded = merge(sources)
+    summary = render_markdown(build_report(sources, merged, excluded)).encode()  # what write_report writes, without the plots
+    assert len(summary) < 1024 * 1024, f"qualification.md is {len(summary) / 2**20:.2f} MiB"
+    assert summary.count(b"\n### ") >= 3 * 90, "every cell's throughput, evidence and details are in it"

@@ -111,3 +111,4 @@ def test_qualify_pr_workflow_on_a_local_pr(act: Act, tmp_path: Path, skipped_job
     assert evidence["deepspeed_tests"]["patched"]["passed"] > 0 and not evidence["deepspeed_tests"]["regressions"]
     markdown = (uploaded.parent / "qualification.md").read_text()
     assert "## Evidence without a GPU" in markdown and head in markdown
+    assert (uploaded.parent / "evidence.md").read_text() in markdown, "the evidence for the PR is the report's own section"

@@ -11,12 +11,14 @@ from dsmatrix.judge.verdict import FIXED
 QUALIFIED, NOT_QUALIFIED, CORRECT_ONLY = "QUALIFIED", "NOT QUALIFIED", "CORRECT, THROUGHPUT NOT SHOWN"
 
 HEADLINES = (QUALIFIED, CORRECT_ONLY, NOT_QUALIFIED)  # best first: --require X passes for X and better
+# what a program reads beside the display text
+VERDICT_CODES = {QUALIFIED: "qualified", CORRECT_ONLY: "correct-throughput-not-shown", NOT_QUALIFIED: "not-qualified"}
 
 RULE = (
     "QUALIFIED when the merged runs cover what was planned (with --tier: every cell the tier plans finished in one of the merged "
     "runs; otherwise every run completed or, for a run that records its plan, each planned cell finished in one of them), "
-    "every non-excluded cell is `fixed` and every cell's throughput is `no-regression` (by the throughput rule below); "
-    "NOT QUALIFIED when a run is incomplete, a cell is not `fixed` or a throughput regression "
+    "every non-excluded cell is fixed and every cell's throughput is no-regression (by the throughput rule below); "
+    "NOT QUALIFIED when a run is incomplete, a cell is not fixed or a throughput regression "
     "is decided; otherwise CORRECT, THROUGHPUT NOT SHOWN, naming the cells whose throughput was not measured or not decided"
 )
 

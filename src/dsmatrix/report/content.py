@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dsmatrix.judge.headline import RULE, headline
+from dsmatrix.judge.headline import RULE, VERDICT_CODES, headline
 from dsmatrix.judge.outcomes import outcome_from_dict
 from dsmatrix.judge.throughput import STEP, kind_of, margin_certified_by
 from dsmatrix.judge.verdict import ERROR, is_behaviour, test_state
@@ -80,7 +80,22 @@ def _throughput(cell: dict[str, Any]) -> dict[str, Any] | None:
     out.setdefault("time_verdict", bench["verdict"] if "comparisons" in bench else None)
     # the merged per-build pytest-benchmark JSON (older runs kept one file per round: not copied)
     out["files"] = [f"bench/{Path(f).name}" for f in bench.get("files", []) if not re.search(r"-r\d+-", Path(f).name)]
+    out["worst"] = _worst(out)
     return out
+
+
+def _worst(bench: dict[str, Any]) -> dict[str, Any]:
+    """The cell's line in the summary table: of its training-step benchmarks, the step-time comparison
+    with the highest upper bound and the highest instruction ratio."""
+    times = [c for c in bench.get("comparisons", []) if kind_of(c["benchmark"]) == STEP]
+    counts = [c for c in (bench.get("instructions") or {}).get("comparisons", []) if kind_of(c["benchmark"]) == STEP]
+    step = max(times, key=lambda c: c["high"], default=None)
+    count = max(counts, key=lambda c: c["ratio"], default=None)
+    return {
+        "step_time": {k: step[k] for k in ("benchmark", "ratio", "low", "high", "verdict")} if step else None,
+        "instructions": {k: count[k] for k in ("benchmark", "ratio", "verdict")} if count else None,
+        "of": max(len(times), len(counts)),
+    }
 
 
 def _by_build(cell: dict[str, Any], keep: Any, value: Any) -> dict[str, list[dict[str, Any]]]:
@@ -134,7 +149,7 @@ def _evidence(cell: dict[str, Any]) -> dict[str, Any] | None:
     pr = cell.get("patch", {}).get("pr", "")
     return {
         "git": git,
-        "change": f"PR diff {pr.replace('..', ' .. ')}" if pr else f"{cell.get('patch', {}).get('source', '')}",
+        "change": f"PR diff {pr.replace('..', ' .. ')}" if pr else Path(cell.get("patch", {}).get("source", "")).name,
         "coverage": coverage,
         "complete": coverage.get("changed_lines", 0) == coverage.get("executed_lines", -1),
         "bugs": bugs,
@@ -183,6 +198,7 @@ def build_report(
         "id": report_id(sources),
         "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "verdict": verdict,
+        "verdict_code": VERDICT_CODES[verdict],
         "verdict_reasons": reasons,
         "verdict_summary": summary,
         "rule": RULE,

@@ -8,6 +8,8 @@ from typing import Any
 
 from dsmatrix.judge.throughput import NO_REGRESSION, REGRESSION
 
+MAX_RATIO_ROWS = 64  # a tall figure stays readable; beyond it, one benchmark per cell
+
 
 def _pyplot() -> Any:
     import matplotlib
@@ -27,28 +29,34 @@ def _save(fig: Any, out_dir: Path, stem: str) -> list[Path]:
 
 
 def leak_plot(cells: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """RSS vs lifecycle, one panel per benchmarked cell, one line per leak line."""
+    """RSS growth from the first engine lifecycle to the last, one row per benchmarked cell, one
+    marker per leak line (one axes whatever the number of cells)."""
     measured = [c for c in cells if c.get("benchmarks", {}).get("leak")]
     if not measured:
         return []
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(measured), figsize=(6 * len(measured), 4), squeeze=False)
-    for ax, cell in zip(axes[0], measured, strict=True):
+    fig, ax = plt.subplots(figsize=(9, 0.3 * len(measured) + 1.5))
+    colours: dict[str, str] = {}
+    for y, cell in enumerate(measured):
         for line in cell["benchmarks"]["leak"]:
-            series = line["series"]
-            ax.plot([p["lifecycle"] for p in series], [p["rss_mb"] for p in series], marker="o", markersize=3, label=line["line"])
-        ax.set_title(cell["cell"]["label"], fontsize=9)
-        ax.set_xlabel("engine lifecycle (destroy + gc.collect() after each)")
-        ax.set_ylabel("RSS (MB)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+            first = line["line"] not in colours
+            colour = colours.setdefault(line["line"], f"C{len(colours)}")
+            label = f"{line['line']} ({len(line['series'])} lifecycles)" if first else None
+            ax.plot(line["growth_mb"], y, marker="o", linestyle="", color=colour, label=label)
+    ax.set_yticks(range(len(measured)), [c["cell"]["label"] for c in measured], fontsize=7)
+    ax.axvline(0.0, color="grey", linewidth=1)
+    ax.set_xlabel("RSS growth, first to last engine lifecycle (MB; destroy + gc.collect() after each)")
+    ax.invert_yaxis()
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8)
     paths = _save(fig, out_dir, "leak-rss")
     plt.close(fig)
     return paths
 
 
 def ratio_plot(cells: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """patched/stock and A/A ratios with their intervals, per cell and benchmark, against 1 + margin."""
+    """patched/stock and A/A ratios with their intervals, per cell and benchmark, against 1 + margin;
+    past ``MAX_RATIO_ROWS`` rows, each cell's step benchmark with the highest upper bound only."""
     rows = []
     margin = None
     for cell in cells:
@@ -57,6 +65,15 @@ def ratio_plot(cells: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         for key, kind in (("comparisons", "patched/stock"), ("calibration", "A/A")):
             for c in bench.get(key, []):
                 rows.append((f"{cell['cell']['id']} {c['benchmark']} {kind}", c, kind))
+    if len(rows) > MAX_RATIO_ROWS:
+        rows = []
+        for cell in cells:
+            bench = cell.get("benchmarks", {})
+            pairs = list(zip(bench.get("comparisons", []), bench.get("calibration", []), strict=False))
+            if pairs:
+                worst, aa = max(pairs, key=lambda pair: pair[0]["high"])
+                name = f"{cell['cell']['id']} {worst['benchmark']}"
+                rows += [(f"{name} {kind}", c, kind) for c, kind in ((worst, "patched/stock"), (aa, "A/A"))]
     if not rows:
         return []
     plt = _pyplot()

@@ -1,7 +1,10 @@
 """The release-qualification report: one or more results stores merged by cell fingerprint,
-judged once, and written as ``qualification.md`` (a GitHub job summary), ``qualification.html``
-(one self-contained page), ``qualification.json`` (schema: ``report/qualification.schema.json``),
-the plots and every cell's JUnit files, under ``reports/<id>/``. Reads only the stores.
+judged once, and written as ``qualification.md`` (a GitHub job summary, summary first),
+``summary.md`` (its headline, counts, cells table and failures, what ``dsmatrix report`` prints),
+``evidence.md`` (the skip-gpu-test evidence, for pasting into the PR, when a cell measured it),
+``qualification.html`` (one self-contained page, with the per-test grid and the environments),
+``qualification.json`` (schema: ``report/qualification.schema.json``), the plots, every cell's
+JUnit files and pytest-benchmark JSON, under ``reports/<id>/``. Reads only the stores.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ def write_report(stores: Sequence[Path], output: Path, plan: TierPlan | None = N
     _copy_benchmark_json(sources, report, target)
     write_json(target / "qualification.json", report)
     (target / "qualification.md").write_text(render_markdown(report))
+    (target / "summary.md").write_text(render_markdown(report, "summary"))
+    if any(c["evidence"] for c in report["cells"]):
+        (target / "evidence.md").write_text(render_markdown(report, "evidence"))
     (target / "qualification.html").write_text(render_html(report, images))
     return target
 
