@@ -371,3 +371,34 @@ def test_the_step_summary_of_a_90_cell_release_tier_stays_under_githubs_limit(tm
     summary = render_markdown(build_report(sources, merged, excluded)).encode()  # what write_report writes, without the plots
     assert len(summary) < 1024 * 1024, f"qualification.md is {len(summary) / 2**20:.2f} MiB"
     assert summary.count(b"\n### ") >= 3 * 90, "every cell's throughput, evidence and details are in it"
+
+
+FORGERIES = {
+    "run id": lambda summary, cell: summary.update(run_id="../../escaped"),
+    "cell file": lambda summary, cell: summary["cells"][0].update(file="../../../outside.json"),
+    "cell id": lambda summary, cell: cell["cell"].update(id="../x"),
+    "JUnit file": lambda summary, cell: cell["builds"]["stock"]["junit"].append("raw/../../../../outside.xml"),
+    "reused_from run id": lambda summary, cell: cell.update(reused_from="../../.."),
+    "benchmark file": lambda summary, cell: cell["benchmarks"].update(files=["bench/../../outside.json"]),
+    "builds or benchmarks": lambda summary, cell: cell.update(builds=["-rf"]),
+}
+
+
+@pytest.mark.parametrize("forged", FORGERIES)
+def test_a_forged_store_is_refused_and_nothing_is_written_outside_the_output(
+    tmp_path: Path, forged: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every name of a store that a report turns into a path is checked on load: a forged one is a
+    one-line error naming it, the results error's exit code, and the report writes nothing anywhere."""
+    run = store(tmp_path / "store" / "results", [{**FIXED, "benchmarks": {**FIXED["benchmarks"], "files": ["bench/x-stock.json"]}}])
+    summary_file, cell_file = run.root / "summary.json", next((run.root / "cells").glob("*.json"))
+    summary, record = json.loads(summary_file.read_text()), json.loads(cell_file.read_text())
+    (tmp_path / "outside.json").write_text(cell_file.read_text())  # what a forged cell file would point at
+    FORGERIES[forged](summary, record)
+    summary_file.write_text(json.dumps(summary))
+    cell_file.write_text(json.dumps(record))
+    before = sorted(tmp_path.rglob("*"))
+    assert main(["report", str(run.root), "--output", str(tmp_path / "store" / "reports")]) == ResultsError.exit_code
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and forged in err and "forged" in err, err
+    assert sorted(tmp_path.rglob("*")) == before, "nothing written"

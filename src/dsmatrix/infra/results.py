@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -188,11 +189,50 @@ def read_result_file(path: Path, required: tuple[str, ...]) -> dict[str, Any]:
     return data
 
 
+# What a store may name: each becomes a folder or a file name when a report is written, so none may
+# climb out of its folder (``..``, ``/``) or read as an option (a leading ``-``).
+RUN_ID = re.compile(r"\d{8}-\d{6}-[0-9a-f]{4}")
+CELL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
+CELL_FILE = re.compile(r"cells/[A-Za-z0-9][A-Za-z0-9._+-]{0,199}\.json")
+STORED_FILES = {"junit": re.compile(r"raw/[A-Za-z0-9][A-Za-z0-9._+@\[\]-]{0,199}\.xml"),
+                "benchmark": re.compile(r"bench/[A-Za-z0-9][A-Za-z0-9._+@\[\]-]{0,199}\.json")}  # fmt: skip
+
+
+def _named(value: object, pattern: re.Pattern[str], what: str, where: Path) -> str:
+    if not isinstance(value, str) or not pattern.fullmatch(value) or ".." in value:
+        raise ResultsError(f"{where}: {what} {str(value)[:80]!r} is not one this suite writes; the store was changed by hand or forged")
+    return value
+
+
+def _check_cell(cell: dict[str, Any], where: Path) -> None:
+    """The names in a cell record that a report turns into paths."""
+    cell_id = cell["cell"].get("id") if isinstance(cell["cell"], dict) else None
+    _named(cell_id, CELL_ID, "cell id", where)
+    if cell.get("reused_from") is not None:
+        _named(cell["reused_from"], RUN_ID, "reused_from run id", where)
+    builds, benchmarks = cell.get("builds") or {}, cell.get("benchmarks") or {}
+    if not isinstance(builds, dict) or not all(isinstance(b, dict) for b in builds.values()) or not isinstance(benchmarks, dict):
+        raise ResultsError(f"{where}: builds or benchmarks are not records; the store was changed by hand or forged")
+    for name in [n for b in builds.values() for n in b.get("junit", [])]:
+        _named(name, STORED_FILES["junit"], "JUnit file", where)
+    for name in benchmarks.get("files", []):
+        _named(name, STORED_FILES["benchmark"], "benchmark file", where)
+
+
 def load_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A run's summary and its cell results, read from disk (``path`` may be ``latest``)."""
+    """A run's summary and its cell results, read from disk (``path`` may be ``latest``), with every
+    name a report turns into a path checked to be one this suite writes."""
     summary_path = path / "summary.json"
     if not summary_path.is_file():
         raise ResultsError(f"{path}: no summary.json (run `nox -s matrix` first)")
     summary = read_result_file(summary_path, ("run_id", "status", "cells", "patch"))
-    cells = [read_result_file(path / c["file"], ("cell", "verdict", "reasons")) for c in summary["cells"]]
+    _named(summary["run_id"], RUN_ID, "run id", summary_path)
+    if not isinstance(summary["cells"], list):
+        raise ResultsError(f"{summary_path}: cells is not a list; the store was changed by hand or forged")
+    cells = []
+    for entry in summary["cells"]:
+        name = _named(entry.get("file") if isinstance(entry, dict) else None, CELL_FILE, "cell file", summary_path)
+        cell = read_result_file(path / name, ("cell", "verdict", "reasons"))
+        _check_cell(cell, path / name)
+        cells.append(cell)
     return summary, cells
