@@ -96,3 +96,50 @@ def _wait_for(count: int, pgid: int) -> int:
     while len(_members(pgid)) != count and time.monotonic() < deadline:
         time.sleep(0.05)
     return len(_members(pgid))
+
+
+def test_an_empty_forged_or_foreign_process_record_is_stale_never_obeyed(tmp_path: Path) -> None:
+    """The cache's process records say which groups a dead run left behind. One that is empty, not
+    JSON, names pid 0 or 1, has a leader started before its owner or at another moment than the
+    process now holding that pid, or was written by another user, is dropped: the process it names
+    (a session this run does not own) lives on. The docker daemon record is checked the same way."""
+    from dsmatrix.infra import docker_engine
+
+    victim = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        started = processes.start_time(victim.pid)
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        dead = {"owner": gone.pid, "owner_start": 1}
+        registry = tmp_path / "processes"
+        registry.mkdir()
+        forged = {
+            "empty": "{}",
+            "not-json": "\x00garbage",
+            "a-list": "[1, 2]",
+            "init": json.dumps({**dead, "leader": 1, "leader_start": processes.start_time(1)}),
+            "group-zero": json.dumps({**dead, "leader": 0, "leader_start": 1}),
+            "text-pids": json.dumps({**dead, "leader": str(victim.pid), "leader_start": started}),
+            "leader-before-owner": json.dumps(
+                {"owner": gone.pid, "owner_start": started + 100, "leader": victim.pid, "leader_start": started}
+            ),
+            "pid-reused": json.dumps({**dead, "leader": victim.pid, "leader_start": started - 1}),
+            "another-users": json.dumps({**dead, "leader": victim.pid, "leader_start": started}),
+        }
+        for name, text in forged.items():
+            (registry / f"{name}.json").write_text(text)
+        os.chown(registry / "another-users.json", 65534, 65534)
+        assert processes.stop_orphans(registry) == []
+        assert victim.poll() is None, "a forged record killed a session the run does not own"
+        assert not list(registry.glob("*.json")), "stale records are dropped"
+
+        state = tmp_path / "docker"
+        (state / "users").mkdir(parents=True)
+        (state / "users" / "1.json").write_text("{}")
+        (state / "daemon.json").write_text(json.dumps({"pid": victim.pid, "start": started}))
+        assert docker_engine._live_users(state) == [] and not docker_engine._ours(state), (
+            "only a dockerd of this user is the suite's daemon"
+        )
+    finally:
+        victim.kill()
+        victim.wait()

@@ -90,30 +90,30 @@ def _unregister_user(entry: Path) -> None:
 
 def _live_users(state_dir: Path) -> list[int]:
     """The runs registered as users of the suite's daemon that are still alive (dead entries dropped)."""
-    from dsmatrix.infra.processes import alive
+    from dsmatrix.infra.processes import alive, read_record
 
     live = []
     for entry in sorted((state_dir / "users").glob("*.json")):
-        try:
-            data = json.loads(entry.read_text())
-        except (OSError, ValueError):
-            data = {}
-        if data and alive(int(data["pid"]), data.get("start")):
-            live.append(int(data["pid"]))
+        data = read_record(entry, ("pid", "start"))
+        if data and alive(data["pid"], data["start"]):
+            live.append(data["pid"])
         else:
             entry.unlink(missing_ok=True)
     return live
 
 
 def _ours(state_dir: Path) -> bool:
-    """Whether the suite's own daemon (``state_dir/daemon.json``) is running."""
-    from dsmatrix.infra.processes import alive
+    """Whether the suite's own daemon (``state_dir/daemon.json``) is running: the recorded process,
+    started when recorded, is a dockerd of this user (a forged record names no other process)."""
+    from dsmatrix.infra.processes import alive, mine, read_record
 
-    try:
-        data = json.loads((state_dir / "daemon.json").read_text())
-    except (OSError, ValueError):
+    data = read_record(state_dir / "daemon.json", ("pid", "start"))
+    if data is None or not alive(data["pid"], data["start"]) or not mine(data["pid"]):
         return False
-    return alive(int(data["pid"]), data.get("start"))
+    try:
+        return Path(f"/proc/{data['pid']}/comm").read_text().strip() == "dockerd"
+    except OSError:
+        return False
 
 
 def _start_daemon(state_dir: Path) -> Any:
@@ -139,6 +139,7 @@ def _start_daemon(state_dir: Path) -> Any:
 
 
 def _stop_daemon(state_dir: Path) -> None:
+    """Stop the suite's own daemon; called only when ``_ours`` says the record names it."""
     data = json.loads((state_dir / "daemon.json").read_text())
     _terminate(int(data["pid"]))
     (state_dir / "daemon.json").unlink(missing_ok=True)

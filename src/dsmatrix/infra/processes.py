@@ -45,6 +45,32 @@ def alive(pid: int, started: int | None) -> bool:
     return started is not None and start_time(pid) == started
 
 
+def mine(pid: int) -> bool:
+    """Whether ``pid`` runs as this process's user (the only processes a run may ever signal)."""
+    try:
+        return Path(f"/proc/{pid}").stat().st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def read_record(entry: Path, fields: Sequence[str]) -> dict[str, int] | None:
+    """A process record of the cache (``fields``: pids and start times, positive integers) written
+    by this user; None when it is unreadable, empty, forged or another user's: a stale record,
+    never a reason to signal anything. A pid is never 0 or 1 (this group, init)."""
+    try:
+        if entry.stat().st_uid != os.getuid():
+            return None
+        data = json.loads(entry.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    values = {k: data.get(k) for k in fields}
+    if not all(type(v) is int and v > 0 for v in values.values()) or any(v <= 1 for k, v in values.items() if not k.endswith("start")):
+        return None
+    return values  # type: ignore[return-value]
+
+
 def _record(proc: subprocess.Popen[Any], command: Sequence[str]) -> Path | None:
     if _registry is None:
         return None
@@ -187,23 +213,29 @@ def run(command: Sequence[str], timeout: float | None = None, input: str | None 
         return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
+ORPHAN_RECORD = ("owner", "owner_start", "leader", "leader_start")
+
+
 def stop_orphans(folder: Path) -> list[dict[str, Any]]:
     """Stop the groups that runs no longer alive left behind; returns what was stopped.
 
-    A group is an orphan when its owner is gone; it is signalled only while its leader is
-    still the process that was written down (or, leader gone, while its group has members)."""
+    A group is an orphan when its owner is gone. What is signalled is what is left of the leader's
+    session that this user runs and that started no earlier than the leader: a record that is
+    malformed, forged or another user's is dropped, never obeyed."""
     stopped = []
     for entry in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            data = json.loads(entry.read_text())
-        except (OSError, ValueError):
-            entry.unlink(missing_ok=True)
+        record = read_record(entry, ORPHAN_RECORD)
+        if record is not None and alive(record["owner"], record["owner_start"]):
             continue
-        if alive(data["owner"], data["owner_start"]):
-            continue
-        leader = int(data["leader"])
-        if alive(leader, data["leader_start"]) or (start_time(leader) is None and _group_alive(leader)):
-            signal_session(leader, signal.SIGKILL)  # the whole session: ninja's compile groups too
-            stopped.append(data)
-        entry.unlink(missing_ok=True)
+        leader_now = start_time(record["leader"]) if record is not None else None
+        if record is not None and record["leader_start"] >= record["owner_start"] and leader_now in (None, record["leader_start"]):
+            # a leader pid alive since another moment was reused: the recorded session is gone
+            leftovers = [pid for pid in session_members(record["leader"]) if mine(pid) and (start_time(pid) or 0) >= record["leader_start"]]
+            for pid in leftovers:  # the whole session: ninja's compile groups too
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            if leftovers:
+                stopped.append(record)
+        with contextlib.suppress(OSError):
+            entry.unlink()
     return stopped
