@@ -34,6 +34,7 @@ def test_missing_patch(tmp_path: Path) -> None:
     [
         (["--tier", "weekly"], "matrix.toml: no tier 'weekly' (tiers: default, smoke, "),
         (["--dtype", "fp16"], "--dtype: 'fp16' is not one of fp32, bf16"),
+        (["--deepspeed", "1" * 5000], f"--deepspeed: '{'1' * 40}... (5000 characters)' is not a version"),  # beyond int() itself
         (["--bench", "--max-rounds", "2"], "--max-rounds 2: the sequential rule needs at least 3 rounds"),
         (["--bench", "--bench-minutes", "0"], "--bench-minutes 0.0: must be positive"),
         (["--bench", "--instructions-margin", "-0.01"], "--instructions-margin -0.01: must be positive"),

@@ -73,6 +73,32 @@ def test_hunk_that_does_not_apply_names_version_file_and_hunk(tmp_path: Path) ->
     assert (src / TARGET).read_text() == ORIGINAL.replace("three", "drei"), "a failed patch must leave the tree untouched"
 
 
+SYMLINK_DIFF = """diff --git a/deepspeed/escape b/deepspeed/escape
+new file mode 120000
+index 0000000..1111111
+--- /dev/null
++++ b/deepspeed/escape
+@@ -0,0 +1 @@
++{outside}
+\\ No newline at end of file
+"""
+
+
+def test_a_diff_that_makes_a_symlink_is_refused_before_anything_is_applied(tmp_path: Path) -> None:
+    """GNU patch creates a git diff's symbolic link (mode 120000), through which a later hunk, or the
+    build, reaches outside the tree: such a diff does not apply, and the tree is left as it was."""
+    diff = tmp_path / "link.diff"
+    diff.write_text(SYMLINK_DIFF.format(outside=tmp_path) + DIFF)
+    src = tree(tmp_path)
+    before = sorted(p.relative_to(src) for p in src.rglob("*"))
+    with pytest.raises(PatchDoesNotApply) as info:
+        apply_diff(diff, src, "0.19.8")
+    assert str(info.value) == (
+        "DeepSpeed 0.19.8: link.diff does not apply: it makes 1 symbolic link(s) or submodule(s), which the suite never applies"
+    )
+    assert sorted(p.relative_to(src) for p in src.rglob("*")) == before and (src / TARGET).read_text() == ORIGINAL
+
+
 def test_malformed_patch_sets(tmp_path: Path) -> None:
     not_a_diff = tmp_path / "notes.txt"
     not_a_diff.write_text("just words\n")

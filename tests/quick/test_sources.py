@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -9,8 +11,9 @@ from deepspeed_repo import git
 from helpers import run_cli
 
 from dsmatrix.build.sources import changed_diff, resolve, source_tarball
+from dsmatrix.build.wheels import unpack_sdist
 from dsmatrix.infra.cache import Cache
-from dsmatrix.infra.errors import ConfigError, UnknownVersionError
+from dsmatrix.infra.errors import BuildError, ConfigError, UnknownVersionError
 from dsmatrix.plan.cells import make_cell
 from dsmatrix.plan.git_source import GitSource, split_spec
 
@@ -197,3 +200,26 @@ def test_a_version_txt_that_is_not_a_version_is_refused(fake_repo: Path, tmp_pat
         with pytest.raises(UnknownVersionError, match=r"version\.txt .* is not a DeepSpeed version such as 0\.19\.8") as raised:
             resolve(f"git:{fake_repo}@odd", Cache(tmp_path / "cache"), "--deepspeed")
         assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("shape", ["two top folders", "a link out", "not a tar"])
+def test_an_archive_that_is_not_one_safe_source_folder_is_a_one_line_build_error(tmp_path: Path, shape: str) -> None:
+    """An sdist or git archive unpacks to exactly one folder, every member inside it (tar's data filter)."""
+    archive = tmp_path / "deepspeed-0.19.8.tar.gz"
+    if shape == "not a tar":
+        archive.write_bytes(b"\x1f\x8b broken")
+    else:
+        members = [tarfile.TarInfo("deepspeed-0.19.8/setup.py")]
+        if shape == "two top folders":
+            members.append(tarfile.TarInfo("other/setup.py"))
+        else:
+            members.append(tarfile.TarInfo("deepspeed-0.19.8/escape"))
+            members[-1].type, members[-1].linkname = tarfile.SYMTYPE, "../../../etc"
+        with tarfile.open(archive, "w:gz") as tar:
+            for member in members:
+                tar.addfile(member, io.BytesIO(b""))
+    with pytest.raises(BuildError) as info:
+        unpack_sdist(archive, tmp_path / "unpacked")
+    message = str(info.value)
+    assert message.startswith("deepspeed-0.19.8.tar.gz: ") and "\n" not in message, message
+    assert {"two top folders": "holds 2 top-level entries", "a link out": "cannot unpack", "not a tar": "cannot unpack"}[shape] in message

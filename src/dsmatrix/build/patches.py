@@ -23,6 +23,8 @@ from packaging.version import Version
 from dsmatrix.infra.errors import PatchDoesNotApply, PatchError
 
 MANIFEST = "manifest.toml"
+# a git diff's mode line for a symbolic link (120000) or a submodule (160000): GNU patch would create it
+LINK_MODE = re.compile(r"^(?:new file |new |old |deleted file )?mode 1[26]0000\b", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -127,11 +129,17 @@ def _patch_command() -> str:
 
 def apply_diff(diff: Path, source_tree: Path, deepspeed: str) -> None:
     """Apply ``diff`` to an unpacked DeepSpeed source tree, all hunks or nothing."""
+    links = LINK_MODE.findall(diff.read_text(errors="replace"))
+    if links:
+        made = f"it makes {len(links)} symbolic link(s) or submodule(s), which the suite never applies"
+        raise PatchDoesNotApply(f"DeepSpeed {deepspeed}: {diff.name} does not apply: {made}")
     base = [_patch_command(), "-p1", "--forward", "--fuzz=0", "--batch", "--no-backup-if-mismatch", "-i", str(diff.resolve())]
     check = subprocess.run([*base, "--dry-run"], cwd=source_tree, capture_output=True, text=True)
     if check.returncode != 0:
         raise PatchDoesNotApply(f"DeepSpeed {deepspeed}: {diff.name} does not apply: {_failed_hunks(check.stdout + check.stderr)}")
-    subprocess.run(base, cwd=source_tree, capture_output=True, text=True, check=True)
+    applied = subprocess.run(base, cwd=source_tree, capture_output=True, text=True)
+    if applied.returncode != 0:  # the tree is a scratch copy: the caller discards it with the error
+        raise PatchDoesNotApply(f"DeepSpeed {deepspeed}: {diff.name} does not apply: {_failed_hunks(applied.stdout + applied.stderr)}")
 
 
 def _failed_hunks(output: str) -> str:

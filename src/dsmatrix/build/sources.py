@@ -22,8 +22,8 @@ from packaging.version import InvalidVersion, Version
 from dsmatrix.infra.cache import Cache, lock_for, materialise
 from dsmatrix.infra.errors import ConfigError, UnknownVersionError
 from dsmatrix.plan.git_source import GitCommit, GitSource, check_ref, split_spec
+from dsmatrix.plan.matrix import MAX_VERSION_LENGTH
 
-MAX_VERSION_LENGTH = 40  # DeepSpeed's own are about 6 characters
 MIRRORED = ("+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*")
 
 

@@ -78,16 +78,23 @@ def _shorten_versions(line: str) -> str:
 
 
 def unpack_sdist(sdist: Path, into: Path) -> Path:
-    with tarfile.open(sdist) as tar:
-        if hasattr(tarfile, "data_filter"):
-            tar.extractall(into, filter="data")
-        else:  # Python < 3.11.4 (Debian bookworm's 3.11.2, in the images): refuse unsafe members by hand
-            for member in tar.getmembers():
-                if member.name.startswith("/") or ".." in Path(member.name).parts or member.issym() or member.islnk():
-                    raise UnknownVersionError(f"{sdist.name}: unsafe member {member.name!r}")
-            tar.extractall(into)
-    (tree,) = [p for p in into.iterdir() if p.is_dir()]
-    return tree
+    """The source tree of an sdist or a git archive: exactly one top folder, every member inside ``into``
+    (tar's ``data`` filter: no absolute names, no links out, no devices), or a one-line BuildError."""
+    try:
+        with tarfile.open(sdist) as tar:
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(into, filter="data")
+            else:  # Python < 3.11.4 (Debian bookworm's 3.11.2, in the images): refuse unsafe members by hand
+                for member in tar.getmembers():
+                    if member.name.startswith("/") or ".." in Path(member.name).parts or member.issym() or member.islnk():
+                        raise BuildError(f"{sdist.name}: unsafe member {member.name[:120]!r}")
+                tar.extractall(into)
+    except (tarfile.TarError, OSError, EOFError) as exc:  # FilterError is a TarError; a cut gzip stream, an EOFError
+        raise BuildError(f"{sdist.name}: cannot unpack: {str(exc)[:200]}") from None
+    tops = sorted(into.iterdir())
+    if len(tops) != 1 or not tops[0].is_dir():
+        raise BuildError(f"{sdist.name}: holds {len(tops)} top-level entries, not one source folder")
+    return tops[0]
 
 
 def build_key(patch: PatchSet | None) -> str:

@@ -92,6 +92,9 @@ def _values(path: Path, where: str, raw: object) -> tuple[str, ...]:
     return tuple(raw)
 
 
+MAX_VERSION_LENGTH = 40  # a version of Python, torch or DeepSpeed is about 10 characters
+
+
 def check_value(axis: str, value: str, where: str) -> None:
     """Raise ConfigError unless ``value`` is well-formed for ``axis``."""
     if axis == PLATFORM:
@@ -102,10 +105,13 @@ def check_value(axis: str, value: str, where: str) -> None:
         if value not in RUNTIME_VALUES[axis]:
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(RUNTIME_VALUES[axis])}")
         return
-    try:
+    try:  # the length first: a 5000-digit release number is beyond int() itself
+        if len(value) > MAX_VERSION_LENGTH:
+            raise InvalidVersion(value)
         Version(value)
     except InvalidVersion:
-        raise ConfigError(f"{where}: {value!r} is not a version") from None
+        shown = value if len(value) <= MAX_VERSION_LENGTH else f"{value[:MAX_VERSION_LENGTH]}... ({len(value)} characters)"
+        raise ConfigError(f"{where}: {shown!r} is not a version") from None
     if axis == "python" and len(Version(value).release) != 2:
         raise ConfigError(f"{where}: {value!r} must be a minor version such as 3.11")
 
