@@ -59,3 +59,54 @@ def test_nox_cell_sessions_run_their_own_platform() -> None:
     assert proc.returncode == 0, proc.stderr
     (planned,) = json.loads(proc.stdout)["include"]
     assert (planned["id"], planned["platform"]) == (arm.id, "linux/arm64")
+
+
+def run_blocks(workflow: str) -> list[str]:
+    """The shell scripts of a workflow's ``run:`` keys (inline, or the indented block under ``run: |``)."""
+    blocks, lines = [], workflow.splitlines()
+    for i, line in enumerate(lines):
+        found = re.match(r"^(\s*)(?:- )?run:\s*(.*)$", line)
+        if not found:
+            continue
+        if not found.group(2).startswith("|"):
+            blocks.append(found.group(2))
+            continue
+        indent, body = len(found.group(1)), []
+        for following in lines[i + 1 :]:
+            if following.strip() and len(following) - len(following.lstrip()) <= indent:
+                break
+            body.append(following)
+        blocks.append("\n".join(body))
+    return blocks
+
+
+ALLOWED_RUNNERS = {"ubuntu-24.04", "ubuntu-24.04-arm"}
+
+
+@pytest.mark.parametrize("name", ["matrix.yml", "pr.yml", "qualify-pr.yml"])
+def test_workflows_follow_githubs_hardening_guide(name: str) -> None:
+    """Inputs, matrix values and repository variables reach scripts through ``env:``, never inside
+    ``run:``; no checkout keeps its credentials; a value written to ``$GITHUB_ENV`` is refused when
+    it holds a line break (which would set other variables)."""
+    workflow = (WORKFLOWS / name).read_text()
+    scripts = run_blocks(workflow)
+    assert scripts and not [s for s in scripts if "${{" in s], "an expression inside a script is a script injection"
+    checkouts = workflow.split("uses: actions/checkout@")[1:]
+    assert checkouts and all(re.match(r"v\d+\n\s+with:\n\s+persist-credentials: false\n", c) for c in checkouts)
+    for script in scripts:
+        if "GITHUB_ENV" in script:
+            guard, write = script.index("*$'\\n'*"), script.index('>> "$GITHUB_ENV"')
+            assert guard < write, script
+
+
+def test_pr_code_never_saves_a_cache_nor_reaches_a_self_hosted_runner() -> None:
+    """qualify-pr.yml runs a PR's code: its caches are restore-only, and its runners come from an
+    allow-list of GitHub-hosted labels that no input can extend."""
+    workflow = (WORKFLOWS / "qualify-pr.yml").read_text()
+    assert "actions/cache@" not in workflow and "actions/cache/restore@" in workflow
+    assert re.findall(r"runs-on:\s*(.*)", workflow) == ["${{ matrix.runner }}"]
+    (expression,) = re.findall(r"^\s+runner: \$\{\{(.*)\}\}$", workflow, re.M)
+    listed = {label for array in re.findall(r"'(\[.*?\])'", expression) for label in json.loads(array)}
+    assert listed == ALLOWED_RUNNERS, listed
+    rest = re.sub(r"inputs\.platforms == '[\w ]+'|'\[.*?\]'|fromJSON|&&|\|\||[\s()]", "", expression)
+    assert rest == "", f"the runner expression holds more than choices and allowed labels: {rest!r}"

@@ -2,7 +2,8 @@
 
 - Jobs run on the host (``-P <label>=-self-hosted``), one at a time (``--concurrent-jobs 1``).
 - GitHub's checkout, setup-python and cache actions come from local copies of the pinned tags
-  (``DSMATRIX_GITHUB_ACTIONS``, default ``../shared/github-actions``); upload-artifact and
+  (``DSMATRIX_GITHUB_ACTIONS``, default ``../shared/github-actions``), the cache's restore
+  sub-action declared here over its bundled code (``cache_with_restore``); upload-artifact and
   download-artifact are mapped to the project's stand-ins (``tests/workflows/stand-ins``), which
   copy to and from ``<out>/artifacts``.
 - actions/setup-python finds every Python the workflows ask for in act's tool cache, seeded with
@@ -47,6 +48,37 @@ def github_actions_dir() -> Path:
             return folder.resolve()
     wanted = ", ".join(PINNED.values())
     raise FileNotFoundError(f"{' or '.join(map(str, candidates))}: no local copies of {wanted} (set DSMATRIX_GITHUB_ACTIONS)")
+
+
+RESTORE_ACTION = """\
+# Written by tests/workflows/act_runner.py: the shared copy of actions/cache@v5 keeps its action.yml
+# and dist/, not the restore sub-action's action.yml. This one declares upstream's restore inputs
+# and runs the same bundled dist/restore-only/index.js (restore, never save).
+name: 'Restore Cache'
+inputs:
+  path: {required: true}
+  key: {required: true}
+  restore-keys: {required: false}
+  enableCrossOsArchive: {default: 'false', required: false}
+  fail-on-cache-miss: {default: 'false', required: false}
+  lookup-only: {default: 'false', required: false}
+outputs:
+  cache-hit: {description: 'an exact match was found for the primary key'}
+  cache-primary-key: {description: 'the primary key'}
+  cache-matched-key: {description: 'the key of the restored cache'}
+runs:
+  using: 'node24'
+  main: '../dist/restore-only/index.js'
+"""
+
+
+def cache_with_restore(pinned: Path, into: Path) -> Path:
+    """A copy of the pinned actions/cache with its ``restore`` sub-action (``actions/cache/restore@v5``)."""
+    shutil.rmtree(into, ignore_errors=True)
+    shutil.copytree(pinned, into)
+    (into / "restore").mkdir(exist_ok=True)
+    (into / "restore" / "action.yml").write_text(RESTORE_ACTION)
+    return into
 
 
 def act_binary() -> str:
@@ -132,6 +164,7 @@ class Act:
         self.artifacts = out / "artifacts"
         self.artifacts.mkdir(parents=True, exist_ok=True)
         self.actions = github_actions_dir()
+        self.cache_action = cache_with_restore(self.actions / PINNED["actions/cache@v5"], out / "actions" / "cache@v5")
         self.binary = act_binary()
 
     def local_machine_vars(self) -> list[str]:
@@ -150,7 +183,8 @@ class Act:
         for label in RUNNER_LABELS:
             command += ["-P", f"{label}=-self-hosted"]
         for action, folder in PINNED.items():
-            command += ["--local-repository", f"{action}={self.actions / folder}"]
+            local = self.cache_action if action == "actions/cache@v5" else self.actions / folder
+            command += ["--local-repository", f"{action}={local}"]
         for action, folder in STAND_IN_ACTIONS.items():
             command += ["--local-repository", f"{action}={STAND_INS / folder}"]
         command += ["--env", f"DSMATRIX_ACT_ARTIFACTS={self.artifacts}"]

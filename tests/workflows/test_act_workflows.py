@@ -96,7 +96,7 @@ def test_qualify_pr_workflow_on_a_local_pr(act: Act, tmp_path: Path, skipped_job
         pytest.skip("qualify-pr.yml:qualify skipped by --skip-job")
     repo = make_repo(tmp_path)
     base, head = git(repo, "rev-parse", "master"), git(repo, "rev-parse", "fix")
-    inputs = {"repository": str(repo), "base": "master", "head": "fix", "tier": "smoke", "runners": '["ubuntu-24.04"]'}
+    inputs = {"repository": str(repo), "base": "master", "head": "fix", "tier": "smoke", "platforms": "amd64"}
     inputs["deepspeed_tests"] = "quick"
     result = act.run("qualify-pr.yml", "workflow_dispatch", inputs=inputs)
     assert result.returncode == 0, f"act exited {result.returncode} ({result.log}):\n{result.tail()}"
