@@ -156,13 +156,17 @@ def test_docker_errors_inside_the_engine_block_are_one_line(tmp_path: Path, monk
 
 def test_the_suites_daemon_is_shared_and_stopped_by_its_last_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run A starts the daemon while run B also uses it: A leaving keeps it; B gone, the last user stops it.
-    The daemon and run B are real processes (sleep), the docker API is not needed for the rule."""
+    The daemon and run B are real processes (sleep; the daemon's executed as ``dockerd``, the name a
+    run checks before it stops a recorded daemon), the docker API is not needed for the rule."""
+    import shutil
     import subprocess
 
     from dsmatrix.infra import docker_engine
     from dsmatrix.infra.processes import start_time
 
-    daemon = subprocess.Popen(["sleep", "300"])
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "dockerd").symlink_to(shutil.which("sleep") or "/bin/sleep")
+    daemon = subprocess.Popen([str(tmp_path / "bin" / "dockerd"), "300"])
     other_run = subprocess.Popen(["sleep", "300"])
     answering: list[object] = []
 

@@ -102,3 +102,44 @@ def test_a_truncated_cell_file_is_never_reused_and_loading_says_which_file(tmp_p
     path.write_text(json.dumps({"schema": 7, "cell": {}, "verdict": "fixed", "reasons": []}))
     with pytest.raises(ResultsError, match=re.escape(f"{path}: not a dsmatrix result (schema 7, expected 1)")):
         load_run(run.root)
+
+
+def test_evidence_names_no_folder_interpreter_or_host_of_the_machine_that_made_it(tmp_path: Path) -> None:
+    """A run's records, JUnit files, logs and benchmark JSON, and the report made from them, hold no
+    absolute path of the run's folders, the working folder, home, the temporary folder or the
+    interpreter, nor the host name; the patch is named by its name and sha256."""
+    import socket
+    import sys
+    import tempfile
+
+    results = tmp_path / "results"
+    run = start_run(results, {"tier": "default", "patch": {**PATCH, "source": "zero3-release-cache"}, "matrix": str(Path.cwd() / "m.toml")})
+    home, cwd, temp = Path.home(), Path.cwd(), tempfile.gettempdir()
+    machine = [str(run.root), str(tmp_path), str(home), str(cwd), temp, sys.prefix, sys.base_prefix]
+    cell_id = FIXED["cell"]["id"]
+    said = f"exited 1: see {run.root}/raw/{cell_id}-stock.log; wheel {home}/.cache/dsmatrix/w.whl; python {sys.executable}; cwd {cwd}"
+    for name, text in {
+        f"raw/{cell_id}-stock-ws1-rank0.xml": f'<testsuites><testsuite hostname="{socket.gethostname()}"><testcase file="{cwd}/t.py"/>'
+        f"<skipped>{temp}/x/t.py:3: skip</skipped></testsuite></testsuites>",
+        f"raw/{cell_id}-stock.log": f"Traceback: {sys.base_prefix}/lib/python3.11/x.py and {run.root}/raw",
+        f"bench/{cell_id}-stock.json": json.dumps({"machine_info": {"node": socket.gethostname()}, "path": f"{tmp_path}/b"}, indent=4),
+    }.items():
+        (run.root / name).parent.mkdir(parents=True, exist_ok=True)
+        (run.root / name).write_text(text)
+    run.add_cell({**FIXED, "reasons": [said], "benchmarks": {**FIXED["benchmarks"], "files": [f"bench/{cell_id}-stock.json"]}})
+    run.write_summary("complete")
+    target = write_report([results], tmp_path / "reports")
+    written = [
+        p for p in (*run.root.rglob("*"), *target.rglob("*")) if p.is_file() and p.suffix in (".json", ".xml", ".log", ".md", ".html")
+    ]
+    assert len(written) >= 9
+    for path in written:
+        text = path.read_text()
+        found = [m for m in machine if m in text] + [
+            f"host {socket.gethostname()}" for h in ('hostname="', '"node": "') if h + socket.gethostname() in text
+        ]
+        assert not found, f"{path.relative_to(tmp_path)} names {found}"
+    record = json.loads((run.root / "cells" / f"{cell_id}.json").read_text())
+    python = f"<python>/{Path(sys.executable).relative_to(sys.prefix)}"
+    assert record["reasons"] == [f"exited 1: see <run>/raw/{cell_id}-stock.log; wheel ~/.cache/dsmatrix/w.whl; python {python}; cwd <cwd>"]
+    assert load_report(target)["patch"]["source"] == "zero3-release-cache"

@@ -57,7 +57,7 @@ class PatchSet:
 
     def describe(self) -> dict[str, object]:
         data: dict[str, object] = {
-            "source": str(self.source),
+            "source": self.source.name,  # named by its name and sha256: no path of the machine that ran it
             "sha256": self.sha256,
             "diffs": [{"versions": str(d.versions), "file": d.path.name} for d in self.diffs],
         }

@@ -8,6 +8,7 @@ is created only once the run has passed its preflight checks: bad input leaves n
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from typing import Any
 
 from dsmatrix.infra.errors import ResultsError
 from dsmatrix.infra.hosts import describe
+from dsmatrix.infra.portable import Roots, machine_roots, make_files_portable, portable_record
 
 SCHEMA = 1
 
@@ -84,6 +86,7 @@ class Run:
     root: Path
     meta: dict[str, Any]
     cells: list[dict[str, Any]] = field(default_factory=list)
+    roots: Roots = field(default_factory=list, repr=False, compare=False)  # what portable evidence hides (set by start_run)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)  # cells finish in several threads
 
     @property
@@ -91,8 +94,12 @@ class Run:
         return self.root.name
 
     def add_cell(self, result: dict[str, Any]) -> Path:
-        result = {**result, "run_id": self.id}
-        path = self.root / "cells" / f"{result['cell']['id']}.json"
+        """Record a finished cell, its record and its own files in ``raw/`` and ``bench/`` made portable."""
+        result = portable_record({**result, "run_id": self.id}, self.roots)
+        cell_id = result["cell"]["id"]
+        path = self.root / "cells" / f"{cell_id}.json"
+        own = [p for folder in ("raw", "bench") for p in sorted((self.root / folder).glob(f"{glob.escape(cell_id)}*")) if p.is_file()]
+        make_files_portable(own, self.roots)
         with self._lock:
             write_json(path, result)
             self.cells.append(result)
@@ -110,7 +117,7 @@ class Run:
                 "schema": SCHEMA,
                 "run_id": self.id,
                 "status": status,
-                **self.meta,
+                **portable_record(self.meta, self.roots),
                 "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "cells": [
                     {
@@ -131,7 +138,7 @@ def start_run(results: Path, meta: dict[str, Any], now: Callable[[], float] = ti
     run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now())) + "-" + secrets.token_hex(2)
     root = results / run_id
     root.mkdir(parents=True)
-    run = Run(root, {**meta, "host": describe()})
+    run = Run(root, {**meta, "host": describe()}, roots=machine_roots({root: "<run>", results: "<results>"}))
     run.write_summary("running")
     latest = results / "latest"
     tmp = results / f".latest.{os.getpid()}"

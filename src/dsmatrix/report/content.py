@@ -170,7 +170,7 @@ def _cell_entry(cell: dict[str, Any]) -> dict[str, Any]:
         "verdict": cell["verdict"],
         "reasons": cell.get("reasons", []),
         "error_kind": cell.get("error_kind"),
-        "source": cell["source"],
+        "source": {"run_id": cell["source"]["run_id"]},  # which run, never the folder it was read from
         "fingerprint": cell.get("fingerprint", ""),
         "timings": cell.get("timings", {}),
         "throughput": _throughput(cell),
@@ -208,7 +208,6 @@ def build_report(
         "sources": [
             {
                 "run_id": s.summary["run_id"],
-                "root": str(s.root),
                 "status": s.summary.get("status", ""),
                 "tier": s.summary.get("tier", ""),
                 "driver": s.summary.get("host", {}),
