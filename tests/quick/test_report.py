@@ -402,3 +402,16 @@ def test_a_forged_store_is_refused_and_nothing_is_written_outside_the_output(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and forged in err and "forged" in err, err
     assert sorted(tmp_path.rglob("*")) == before, "nothing written"
+
+
+def test_the_committed_nightly_evidence_names_no_machine() -> None:
+    """docs/nightly's stores and report, as committed: no absolute path of a machine's folders, no
+    host name where JUnit and pytest-benchmark record one; the step summary under GitHub's 1 MiB."""
+    nightly = REPO / "docs" / "nightly"
+    machine = re.compile(r"/(tmp|root|work|home|Users|opt|usr|var)/|hostname=\"(?!runner\")|\"node\": \"(?!runner\")")
+    kinds = (".json", ".xml", ".md", ".html", ".log")
+    evidence = [p for p in nightly.rglob("*") if p.is_file() and p.suffix in kinds and p.name != "README.md"]
+    named = [str(p.relative_to(nightly)) for p in evidence if machine.search(p.read_text(errors="replace"))]
+    assert not named, named
+    (report,) = (nightly / "report").glob("*/qualification.md")
+    assert report.stat().st_size < 1024 * 1024
