@@ -58,7 +58,8 @@ def test_a_fix_one_percent_slower_is_a_regression_that_fails_the_run(tmp_path: P
     assert counts["calibration"] == "pass" and counts["verdict"] == "regression"
     step = next(c for c in counts["comparisons"] if c["benchmark"] == "test_train_step[fp32-ckpt-on]")
     assert 1.005 < step["ratio"] < 1.05 and step["uncertainty"] < 0.001, step
-    assert bench["rounds"] == 1 and bench["stopped"].startswith("time budget"), "the step-time rounds stop at their budget"
+    # forked hosts make a round take seconds: one or two fit in the 6 s budget, never the 3 allowed
+    assert 1 <= bench["rounds"] < 3 and bench["stopped"].startswith("time budget"), "the step-time rounds stop at their budget"
 
 
 def test_a_fix_that_spins_in_every_release_lookup_is_a_step_time_regression(tmp_path: Path) -> None:
