@@ -16,6 +16,7 @@ PREFIX = "git:"
 URL_SCHEMES = ("https", "http", "ssh", "git", "file")
 _SCP_LIKE = re.compile(r"^[\w.-]+@(?P<host>[\w.-]+):")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_REMOTE_HELPER = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*::")
 # git-check-ref-format(1), rule 4, 5 and 10: control characters, space, ~ ^ : ? * [ and backslash
 _REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
 
@@ -133,6 +134,8 @@ def _check_location(location: str, value: str, where: str) -> None:
     if location.startswith("-") or _CONTROL.search(location):
         raise ConfigError(f"{where}: {value!r}: a repository location cannot start with '-' or hold control characters")
     scp = _SCP_LIKE.match(location)
+    if _REMOTE_HELPER.match(location):  # git's <transport>::<address> runs a helper program (ext:: runs any command)
+        raise ConfigError(f"{where}: {value!r}: a <transport>::<address> location runs a git remote helper: not accepted")
     if "://" in location:
         url = urlsplit(location)
         if url.scheme not in URL_SCHEMES or any((part or "").startswith("-") for part in (url.hostname, url.username)):
@@ -143,15 +146,23 @@ def _check_location(location: str, value: str, where: str) -> None:
 
 
 def split_spec(value: str, where: str) -> tuple[str, str]:
-    """``git:LOCATION@REF`` as (location, ref); the ref is what follows the last ``@`` unless that
-    contains ``:`` (``git@host:org/repo`` has no ref). A local location becomes an absolute path.
-    Both are checked (``check_ref``; a location is never an option): a one-line ConfigError."""
+    """``git:LOCATION@REF`` as (location, ref); the ref is what follows the last ``@`` past the
+    location's own user part (``ssh://git@host/x``, ``git@host:org/repo`` have no ref). A local
+    location becomes an absolute path. Both are checked (``check_ref``: ``@a:b`` is a ref with a
+    refspec colon; a location is never an option): a one-line ConfigError."""
     rest = value[len(PREFIX) :]
     location, ref = rest, ""
-    if "@" in rest:
-        head, tail = rest.rsplit("@", 1)
-        if tail and ":" not in tail and head:
-            location, ref = head, tail
+    if "://" in rest:
+        path_start = rest.find("/", rest.index("://") + 3)
+        user_part = len(rest) if path_start == -1 else path_start
+    else:
+        scp = _SCP_LIKE.match(rest)
+        user_part = scp.end() if scp else 0
+    at = rest.rfind("@", user_part)
+    if at > 0:
+        location, ref = rest[:at], rest[at + 1 :]
+        if not ref:
+            raise ConfigError(f"{where}: {value!r}: nothing after '@' (git:URL_OR_PATH@REF)")
     if not location or location.startswith("@"):
         raise ConfigError(f"{where}: {value!r}: say which repository (git:URL_OR_PATH@REF)")
     _check_location(location, value, where)
