@@ -84,6 +84,7 @@ def test_the_groups_of_a_killed_run_are_stopped_by_the_next(tmp_path: Path) -> N
     assert len(_members(leader)) == 3, "SIGKILL of the owner leaves its children running"
     stopped = processes.stop_orphans(registry)
     assert sorted(s["leader"] for s in stopped) == sorted([leader, ninja_like])
+    assert all(s["command"] and all(isinstance(part, str) for part in s["command"]) for s in stopped), "what was stopped is named"
     deadline = time.monotonic() + 10
     while (_members(leader) or processes.session_members(ninja_like)) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -216,6 +216,15 @@ def run(command: Sequence[str], timeout: float | None = None, input: str | None 
 ORPHAN_RECORD = ("owner", "owner_start", "leader", "leader_start")
 
 
+def read_command(entry: Path) -> list[str]:
+    """The command a process record names (for saying what was stopped): strings only, else none."""
+    try:
+        command = json.loads(entry.read_text()).get("command")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [str(part) for part in command] if isinstance(command, list) else []
+
+
 def stop_orphans(folder: Path) -> list[dict[str, Any]]:
     """Stop the groups that runs no longer alive left behind; returns what was stopped.
 
@@ -235,7 +244,8 @@ def stop_orphans(folder: Path) -> list[dict[str, Any]]:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
             if leftovers:
-                stopped.append(record)
+                command = read_command(entry)
+                stopped.append({**record, "command": command})
         with contextlib.suppress(OSError):
             entry.unlink()
     return stopped
