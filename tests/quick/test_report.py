@@ -415,3 +415,14 @@ def test_the_committed_nightly_evidence_names_no_machine() -> None:
     assert not named, named
     (report,) = (nightly / "report").glob("*/qualification.md")
     assert report.stat().st_size < 1024 * 1024
+
+
+def test_the_names_a_git_pr_cell_writes_are_names_a_store_may_hold(tmp_path: Path) -> None:
+    """A PR-mode cell's id holds two refs made file-safe (``refs_pull_7_head``) joined by ``..``: its
+    record, JUnit and benchmark names load (acceptance run 9 refused them once)."""
+    pr_id = "py3.11-torch2.13.0+cpu-ds0.19.6-pr.master.603932982e..refs_pull_7_head.b6e127eb54"
+    record = {**FIXED, "cell": {**FIXED["cell"], "id": pr_id}}
+    record["builds"] = {b: {**v, "junit": [f"raw/{pr_id}-{b}-ws1-rank0.xml"]} for b, v in FIXED["builds"].items()}
+    record["benchmarks"] = {**FIXED["benchmarks"], "files": [f"bench/{pr_id}-bench-stock.json"]}
+    store(tmp_path / "results", [record])
+    assert load_report(write_report([tmp_path / "results"], tmp_path / "reports"))["cells"][0]["id"] == pr_id

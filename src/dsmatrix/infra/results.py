@@ -197,16 +197,18 @@ def read_result_file(path: Path, required: tuple[str, ...]) -> dict[str, Any]:
 
 
 # What a store may name: each becomes a folder or a file name when a report is written, so none may
-# climb out of its folder (``..``, ``/``) or read as an option (a leading ``-``).
+# climb out of its folder (no ``/``; a name starts with a letter or digit, so never ``..``) or read as an
+# option (a leading ``-``). Names are cell ids and what follows them: ``infra.cache.safe_name``'s
+# characters and torch's ``+`` (a PR cell's id holds ``..`` between its two refs, inside one name).
+NAME = r"[A-Za-z0-9][A-Za-z0-9_.+@\[\]-]{0,199}"
 RUN_ID = re.compile(r"\d{8}-\d{6}-[0-9a-f]{4}")
-CELL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
-CELL_FILE = re.compile(r"cells/[A-Za-z0-9][A-Za-z0-9._+-]{0,199}\.json")
-STORED_FILES = {"junit": re.compile(r"raw/[A-Za-z0-9][A-Za-z0-9._+@\[\]-]{0,199}\.xml"),
-                "benchmark": re.compile(r"bench/[A-Za-z0-9][A-Za-z0-9._+@\[\]-]{0,199}\.json")}  # fmt: skip
+CELL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,199}")
+CELL_FILE = re.compile(rf"cells/{CELL_ID.pattern}\.json")
+STORED_FILES = {"junit": re.compile(rf"raw/{NAME}\.xml"), "benchmark": re.compile(rf"bench/{NAME}\.json")}
 
 
 def _named(value: object, pattern: re.Pattern[str], what: str, where: Path) -> str:
-    if not isinstance(value, str) or not pattern.fullmatch(value) or ".." in value:
+    if not isinstance(value, str) or not pattern.fullmatch(value):
         raise ResultsError(f"{where}: {what} {str(value)[:80]!r} is not one this suite writes; the store was changed by hand or forged")
     return value
 
