@@ -51,9 +51,15 @@ def portable_record(data: Any, roots: Roots) -> Any:
     return data
 
 
+TEXT_FILES = (".xml", ".log", ".json", ".txt")  # never a binary file (coverage's SQLite data): a rewrite would corrupt it
+
+
 def make_files_portable(paths: list[Path], roots: Roots) -> None:
-    """Rewrite text files in place (JUnit XML, logs); a file that does not change is left alone."""
+    """Rewrite text files in place (JUnit XML, logs, JSON); a file that does not change, or is not one
+    of ``TEXT_FILES``, is left alone."""
     for path in paths:
+        if path.suffix not in TEXT_FILES:
+            continue
         try:
             text = path.read_text(errors="surrogateescape")
         except OSError:

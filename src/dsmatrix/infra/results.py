@@ -8,7 +8,6 @@ is created only once the run has passed its preflight checks: bad input leaves n
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -94,12 +93,14 @@ class Run:
         return self.root.name
 
     def add_cell(self, result: dict[str, Any]) -> Path:
-        """Record a finished cell, its record and its own files in ``raw/`` and ``bench/`` made portable."""
+        """Record a finished cell, its record and the files it names (JUnit, logs, benchmark JSON) made
+        portable; the run's last summary makes the rest of ``raw/`` and ``bench/`` portable."""
         result = portable_record({**result, "run_id": self.id}, self.roots)
-        cell_id = result["cell"]["id"]
-        path = self.root / "cells" / f"{cell_id}.json"
-        own = [p for folder in ("raw", "bench") for p in sorted((self.root / folder).glob(f"{glob.escape(cell_id)}*")) if p.is_file()]
-        make_files_portable(own, self.roots)
+        path = self.root / "cells" / f"{result['cell']['id']}.json"
+        builds = [b for b in (result.get("builds") or {}).values() if isinstance(b, dict)]
+        named = [n for b in builds for n in (*b.get("junit", []), *b.get("logs", []))] + (result.get("benchmarks") or {}).get("files", [])
+        inside = [self.root / n for n in named if isinstance(n, str) and not Path(n).is_absolute() and ".." not in Path(n).parts]
+        make_files_portable(inside, self.roots)
         with self._lock:
             write_json(path, result)
             self.cells.append(result)
@@ -107,7 +108,11 @@ class Run:
         return path
 
     def write_summary(self, status: str) -> None:
+        """The run's summary; once the run is over (any status but ``running``), every file its
+        cells left in ``raw/`` and ``bench/`` is made portable first."""
         with self._lock:
+            if status != "running":
+                make_files_portable([p for d in ("raw", "bench") for p in sorted((self.root / d).rglob("*")) if p.is_file()], self.roots)
             self._write_summary(status)
 
     def _write_summary(self, status: str) -> None:
