@@ -32,6 +32,12 @@ def cell_result(results: Path) -> dict:
     return json.loads((results / "latest" / "cells" / f"{CELL}.json").read_text())
 
 
+BUNDLED_PATCH = (
+    "import sys; from dsmatrix.build.patches import load_patch_set; from dsmatrix.infra.locations import default_patch; "
+    "p = load_patch_set(default_patch(None)); print(p.source.name, p.sha256, p.source.is_relative_to(sys.prefix))"
+)
+
+
 @pytest.mark.gate
 def test_bundled_fix_is_fixed_with_every_bug_seen_on_stock(installed: Path, tmp_path: Path) -> None:
     """The installed tool, from a folder outside the checkout: its bundled matrix, fix and engine tests."""
@@ -65,7 +71,9 @@ def test_bundled_fix_is_fixed_with_every_bug_seen_on_stock(installed: Path, tmp_
     assert f"branches of the changed functions taken in tests compared with stock {branches['total']}/{branches['total']}" in proc.stdout
     assert result["builds"]["patched"]["installed"]["deepspeed"].startswith("0.19.8+patched.")
     assert result["builds"]["patched"]["build_info"]["patch_sha256"] == result["patch"]["sha256"]
-    assert result["patch"]["source"].startswith(str(installed.parent)), "the fix must come from the installed package"
+    bundled = run_outside([str(installed / "python"), "-c", BUNDLED_PATCH], cwd=tmp_path).stdout.split()
+    # the record names the patch by its name and sha256 (no path of the machine): the installed package's own
+    assert bundled == [result["patch"]["source"], result["patch"]["sha256"], "True"], "the fix must come from the installed package"
     assert "set-up" in proc.stdout and "tests" in proc.stdout
     summary = json.loads((tmp_path / "results" / "latest" / "summary.json").read_text())
     assert summary["status"] == "complete" and summary["cells"][0]["verdict"] == "fixed"
