@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,18 +80,16 @@ def remove_buffers(port: str) -> None:
         buffer.unlink(missing_ok=True)
 
 
-def warm_host(args: argparse.Namespace) -> list[str]:
-    """Import, in this process, what a first engine build imports lazily: a forked child builds one
-    engine and names the modules it added; the process group stays the child's."""
+def in_fork(child: Callable[[], bytes]) -> tuple[int, bytes]:
+    """Run ``child`` in a forked process and read what it returns through a pipe (all of it, before
+    reaping the child, so a large answer never blocks it): (wait status, bytes)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(read)
         code = 1
         try:
-            before = set(sys.modules)
-            work(argparse.Namespace(**{**vars(args), "engines": 1, "steps": 1}), time.monotonic())
-            os.write(write, json.dumps(sorted(set(sys.modules) - before)).encode())
+            os.write(write, child())
             code = 0
         finally:
             os._exit(code)
@@ -99,8 +98,21 @@ def warm_host(args: argparse.Namespace) -> list[str]:
     while chunk := os.read(read, 1 << 16):
         chunks.append(chunk)
     os.close(read)
-    os.waitpid(pid, 0)
-    names = json.loads(b"".join(chunks))
+    _, status = os.waitpid(pid, 0)
+    return status, b"".join(chunks)
+
+
+def warm_host(args: argparse.Namespace) -> list[str]:
+    """Import, in this process, what a first engine build imports lazily: a forked child builds one
+    engine and names the modules it added; the process group stays the child's."""
+
+    def child() -> bytes:
+        before = set(sys.modules)
+        work(argparse.Namespace(**{**vars(args), "engines": 1, "steps": 1}), time.monotonic())
+        return json.dumps(sorted(set(sys.modules) - before)).encode()
+
+    _, output = in_fork(child)
+    names = json.loads(output)
     failed = []
     for name in names:
         try:
@@ -128,31 +140,20 @@ def run_exec(args: argparse.Namespace, index: int) -> dict[str, Any]:
 
 
 def run_fork(args: argparse.Namespace, index: int) -> dict[str, Any]:
-    read, write = os.pipe()
-    began = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        code = 1
+    def child() -> bytes:
         try:
-            result = work(args, time.monotonic())
-            os.write(write, json.dumps(result).encode())
-            code = 0
+            return json.dumps(work(args, time.monotonic())).encode()
         except BaseException:
             import traceback
 
             traceback.print_exc()
-        finally:
-            os._exit(code)
-    os.close(write)
-    chunks = []
-    while chunk := os.read(read, 1 << 16):
-        chunks.append(chunk)
-    os.close(read)
-    _, status = os.waitpid(pid, 0)
-    if status or not chunks:
+            raise
+
+    began = time.monotonic()
+    status, output = in_fork(child)
+    if status or not output:
         raise SystemExit(f"worker {index} failed (status {status})")
-    return {**json.loads(b"".join(chunks)), "wall_s": round(time.monotonic() - began, 3)}
+    return {**json.loads(output), "wall_s": round(time.monotonic() - began, 3)}
 
 
 def summary(workers: list[dict[str, Any]]) -> dict[str, Any]:
