@@ -101,8 +101,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     matrix.add_argument(
         "--bench",
         action=argparse.BooleanOptionalAction,
-        help="instruction-count, step-time and leak benchmarks per cell (default: on, off in tiers default and smoke); "
-        "finished cells only get benchmarked",
+        help="instruction-count, step-time and leak benchmarks per cell; finished cells only get benchmarked "
+        "(default: the tier's `benchmarks` in matrix.toml: on in every tier but smoke)",
     )
     matrix.add_argument(
         "--max-rounds",

@@ -41,7 +41,7 @@ BUNDLED_PATCH = (
 @pytest.mark.gate
 def test_bundled_fix_is_fixed_with_every_bug_seen_on_stock(installed: Path, tmp_path: Path) -> None:
     """The installed tool, from a folder outside the checkout: its bundled matrix, fix and engine tests."""
-    command = [str(installed / "dsmatrix"), "matrix", "--deepspeed", "0.19.8", "--results", str(tmp_path / "results")]
+    command = [str(installed / "dsmatrix"), "matrix", "--deepspeed", "0.19.8", "--no-bench", "--results", str(tmp_path / "results")]
     proc = run_outside(command, cwd=tmp_path, timeout=3600)
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -108,7 +108,7 @@ def test_wheel_missing_its_matrix_fails_in_one_line(installed: Path, tmp_path: P
 
 def test_two_ranks_see_every_bug(tmp_path: Path) -> None:
     """World size 2: one pytest per rank on one gloo rendezvous, outcomes merged per test."""
-    args = ("--deepspeed", "0.19.8", "--world-size", "2", "--dtype", "fp32", "--checkpointing", "on")
+    args = ("--deepspeed", "0.19.8", "--world-size", "2", "--dtype", "fp32", "--checkpointing", "on", "--no-bench")
     proc = run_cli("matrix", *args, "--results", str(tmp_path / "results"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = cell_result(tmp_path / "results")
@@ -132,7 +132,8 @@ def test_interrupted_run_keeps_finished_cells(tmp_path: Path) -> None:
     import time
 
     results = tmp_path / "results"
-    command = [sys.executable, "-m", "dsmatrix", "matrix", "--dtype", "fp32", "--checkpointing", "off", "--results", str(results)]
+    selection = ["--dtype", "fp32", "--checkpointing", "off", "--no-bench"]
+    command = [sys.executable, "-m", "dsmatrix", "matrix", *selection, "--results", str(results)]
     tag = {"DSMATRIX_TEST_TAG": f"interrupted-{os.getpid()}-{time.time_ns()}"}  # inherited by every process the run starts
     env = {**os.environ, **tag}
     proc = subprocess.Popen([*command, "--jobs", "2"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

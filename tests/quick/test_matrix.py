@@ -219,9 +219,9 @@ def test_bundled_arm64_cells_are_the_light_cpu_builds(repo: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("tier", "benchmarked"), [("default", False), ("smoke", False), ("pr", True), ("nightly", True), ("release", True)]
+    ("tier", "benchmarked"), [("default", True), ("smoke", False), ("qualify", True), ("pr", True), ("nightly", True), ("release", True)]
 )
-def test_only_the_quick_tiers_skip_benchmarks_by_default(repo: Path, tier: str, benchmarked: bool) -> None:
+def test_every_tier_but_smoke_benchmarks_by_default(repo: Path, tier: str, benchmarked: bool) -> None:
     from dsmatrix.cli import matrix_options, parse_args
 
     def bench(*extra: str) -> object:

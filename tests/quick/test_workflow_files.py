@@ -110,3 +110,14 @@ def test_pr_code_never_saves_a_cache_nor_reaches_a_self_hosted_runner() -> None:
     assert listed == ALLOWED_RUNNERS, listed
     rest = re.sub(r"inputs\.platforms == '[\w ]+'|'\[.*?\]'|fromJSON|&&|\|\||[\s()]", "", expression)
     assert rest == "", f"the runner expression holds more than choices and allowed labels: {rest!r}"
+
+
+def test_a_schedule_benchmarks_as_the_tier_says() -> None:
+    """Only a dispatch with benchmarks unticked passes ``--no-bench``: GitHub compares null (a
+    schedule's missing input) equal to false, so the input is read as text, and on dispatches only."""
+    workflow = (WORKFLOWS / "matrix.yml").read_text()
+    (expression,) = re.findall(r"^\s+BENCHMARKS: \$\{\{(.*)\}\}$", workflow, re.M)
+    assert "github.event_name == 'workflow_dispatch' && format('{0}', inputs.benchmarks) == 'false'" in expression
+    runs = re.findall(r"nox -s matrix -- .*", workflow)
+    assert runs and all(run.endswith('"${bench[@]}"') for run in runs), runs
+    assert workflow.count('bench=(); if [ "$BENCHMARKS" = off ]; then bench=(--no-bench); fi') == len(runs)
