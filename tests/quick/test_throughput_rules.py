@@ -95,6 +95,26 @@ def test_the_sequential_interval_keeps_its_coverage_under_repeated_looks() -> No
     assert wrong / 200 <= 0.05, wrong
 
 
+SAVVI_FIGURES = Path(__file__).parents[1] / "fixtures" / "step_time" / "savvi-figures.json"
+
+
+def test_the_confidence_sequence_gives_savvis_figures_on_recorded_rounds() -> None:
+    """The numpy t confidence sequence against savvi 0.3.1's LinearRegression (p=1), recorded on the
+    log ratios of real benchmark runs (two nightly cells, three acceptance runs), after every round."""
+    import json
+
+    from dsmatrix.judge.confidence_sequence import mean_confidence_sequence
+
+    recorded = json.loads(SAVVI_FIGURES.read_text())
+    assert len(recorded["series"]) >= 20
+    for series in recorded["series"]:
+        logs = series["log_ratios"]
+        for n, expected in enumerate(series["savvi"], start=1):
+            low, high = mean_confidence_sequence(logs[:n], recorded["recorded_with"]["alpha"])
+            want = [-math.inf if expected[0] is None else expected[0], math.inf if expected[1] is None else expected[1]]
+            assert [low, high] == pytest.approx(want, rel=1e-9, abs=1e-12), f"{series['origin']}, after {n} round(s)"
+
+
 def test_the_cell_verdict_uses_instructions_and_any_decided_regression() -> None:
     from dsmatrix.judge.throughput import cell_throughput
 

@@ -3,7 +3,7 @@
 Per round, the log of the ratio patched / stock of the two processes' medians. After every
 third round (each build has then taken each turn position equally often) the rule looks at an
 anytime-valid 95% confidence sequence for the mean log ratio: the t confidence sequence of
-Lindon et al. (2024), from ``savvi``, intersected over the rounds so far. Its coverage holds
+Lindon et al. (2024) (``judge.confidence_sequence``), intersected over the rounds so far. Its coverage holds
 however many times it is looked at, so stopping as soon as it decides keeps the stated error
 rate (5% per comparison). ``no-regression`` when the upper bound of the ratio is <= 1 + margin
 (default 3.5%), ``regression`` when the lower bound is > 1 + margin, otherwise ``inconclusive``.
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dsmatrix.judge.confidence_sequence import mean_confidence_sequence
 from dsmatrix.judge.throughput import INCONCLUSIVE, NO_REGRESSION, NOT_MEASURED, REGRESSION, STEP, kind_of, margin_certified_by
 
 DEFAULT_MARGIN = 0.035
@@ -27,7 +28,7 @@ CONFIDENCE = 0.95
 RULE = (
     "per round, log(patched/stock) of the two processes' median step times (their steps interleaved one by one); "
     "after every third round, an anytime-valid {confidence:.0%} confidence sequence for the ratio (Lindon et al. t "
-    "confidence sequence, savvi): no-regression if its upper bound <= {limit:g}, regression if its lower bound > {limit:g}, "
+    "confidence sequence): no-regression if its upper bound <= {limit:g}, regression if its lower bound > {limit:g}, "
     "else inconclusive; rounds go on until every step comparison and its A/A calibration is decided, or the cap"
 )
 
@@ -60,20 +61,12 @@ def ratio_interval(stock: Sequence[float], patched: Sequence[float]) -> tuple[fl
 
     ``stock[i]`` and ``patched[i]`` are the median step times of round ``i``'s two processes,
     whose steps ran interleaved; so each round's ratio is free of whatever the machine did
-    between rounds. The interval is savvi's t confidence sequence for the mean log ratio (an
-    intercept-only anytime-valid linear model), intersected over all rounds so far.
+    between rounds. The interval is the t confidence sequence for the mean log ratio, intersected
+    over all rounds so far (infinite until there are three).
     """
-    import numpy as np
-    from savvi.linear_regression import LinearRegression
-
-    logs = np.log(np.asarray(patched, dtype=float) / np.asarray(stock, dtype=float))
-    sequence = LinearRegression(alpha=1 - CONFIDENCE, p=1)
-    with np.errstate(divide="ignore", invalid="ignore"):  # too few rounds yet: an infinite interval
-        for value in logs:
-            sequence.update(np.array([value, 1.0]))
-            sequence.infer()
-    low, high = (float(v) for v in sequence.conf_int[0])
-    return float(np.exp(logs.mean())), math.exp(low) if math.isfinite(low) else 0.0, math.exp(high) if math.isfinite(high) else math.inf
+    logs = [math.log(b / a) for a, b in zip(stock, patched, strict=True)]
+    low, high = mean_confidence_sequence(logs, 1 - CONFIDENCE)
+    return math.exp(statistics.fmean(logs)), math.exp(low), math.exp(high)  # exp(-inf) = 0, exp(inf) = inf
 
 
 def decide(low: float, high: float, margin: float) -> str:
