@@ -54,8 +54,9 @@ def _driver_interpreter() -> str:
     raise nox.command.CommandFailed(f"no Python {DRIVER_PYTHON} found (python{DRIVER_PYTHON} on PATH, {pyenv})")
 
 
-def suite_python(session: nox.Session) -> str:
-    """The suite installed (editable) in one environment shared by every session that runs it.
+def suite_python(session: nox.Session, extra: str = "") -> str:
+    """The suite installed (editable) in one environment shared by every session that runs it,
+    with ``extra`` (``plots``: the report's figures) added when a session needs it.
 
     Several of these sessions may start at once (two terminals, two CI jobs on one runner): nox's
     own per-session environments would then be created and reinstalled by both at the same time
@@ -67,11 +68,14 @@ def suite_python(session: nox.Session) -> str:
     wanted = hashlib.sha256(Path("pyproject.toml").read_bytes()).hexdigest() + f" {Path.cwd()}"
     env.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{env}.lock"):
-        if not (python.exists() and stamp.is_file() and stamp.read_text() == wanted):
+        if not (python.exists() and stamp.is_file() and stamp.read_text().split("\n")[0] == wanted):
             shutil.rmtree(env, ignore_errors=True)
             session.run(_driver_interpreter(), "-m", "venv", str(env), external=True)
             session.run(str(python), "-m", "pip", "install", "--quiet", "-e", ".", external=True)
             stamp.write_text(wanted)
+        if extra and extra not in stamp.read_text().split("\n")[1:]:
+            session.run(str(python), "-m", "pip", "install", "--quiet", "-e", f".[{extra}]", external=True)
+            stamp.write_text(f"{stamp.read_text()}\n{extra}")
     return str(python)
 
 
@@ -115,7 +119,7 @@ def images(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def report(session: nox.Session) -> None:
     """The release-qualification report (MD/HTML/JSON) from results, or from the stores given: -- STORE ..."""
-    session.run(suite_python(session), "-m", "dsmatrix", "report", *session.posargs, external=True)
+    session.run(suite_python(session, "plots"), "-m", "dsmatrix", "report", *session.posargs, external=True)
 
 
 # The suite's own tests by folder: tests/quick needs nothing downloaded; tests/e2e runs real DeepSpeed

@@ -400,6 +400,8 @@ def command_report(args: argparse.Namespace) -> int:
     report = load_report(target)
     print(render_markdown(report, "summary"))
     print(f"dsmatrix: {report['verdict']}: {report['verdict_summary']}; {target}/qualification.{{md,html,json}}")
+    if report.get("figures_left_out"):
+        print(f"dsmatrix: {report['figures_left_out']}", file=sys.stderr)
     if args.require and not passes(report["verdict"], args.require):
         print(f"dsmatrix: --require {args.require}: the headline is {report['verdict']}", file=sys.stderr)
         return 1

@@ -81,6 +81,24 @@ def test_fixed_not_fixed_excluded_and_error_cells_render_in_all_three_formats(tm
         assert (target / plot).stat().st_size > 1000
 
 
+def test_without_the_plots_extra_the_report_says_its_figures_were_left_out(tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """matplotlib is the ``plots`` extra: without it the report is whole but for its figures, and
+    says so in the report and in one line on stderr."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    store(tmp_path / "results", [FIXED, NOT_FIXED])
+    assert main(["report", str(tmp_path / "results"), "--output", str(tmp_path / "reports")]) == 0
+    (target,) = (tmp_path / "reports").iterdir()
+    report = load_report(target)
+    validate(report)
+    assert report["plots"] == {} and "matplotlib is not installed" in report["figures_left_out"]
+    assert not list(target.glob("*.png")) and "data:image/png" not in (target / "qualification.html").read_text()
+    assert "- figures left out: matplotlib is not installed" in (target / "qualification.md").read_text()
+    assert capsys.readouterr().err == f"dsmatrix: {report['figures_left_out']}\n"
+
+
 def test_markup_in_results_is_escaped_in_html(tmp_path: Path) -> None:
     nasty = cell("0.19.5", "error", ["<script>alert(1)</script> & friends"], error_kind="RunError")
     store(tmp_path / "results", [FIXED, nasty])

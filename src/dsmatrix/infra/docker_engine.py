@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from dsmatrix.infra.debian import install_debian_packages
 from dsmatrix.infra.errors import DockerUnavailable
 
@@ -111,8 +113,8 @@ def _ours(state_dir: Path) -> bool:
     if data is None or not alive(data["pid"], data["start"]) or not mine(data["pid"]):
         return False
     try:
-        return Path(f"/proc/{data['pid']}/comm").read_text().strip() == "dockerd"
-    except OSError:
+        return psutil.Process(data["pid"]).name() == "dockerd"
+    except psutil.Error:
         return False
 
 
@@ -156,7 +158,7 @@ def _terminate(pid: int, timeout_s: float = 60.0) -> None:
         with contextlib.suppress(ChildProcessError):
             if os.waitpid(pid, os.WNOHANG)[0] == pid:
                 return
-        if not Path(f"/proc/{pid}").exists():
+        if not psutil.pid_exists(pid):
             return
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):

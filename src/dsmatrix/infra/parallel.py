@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import psutil
+
 from dsmatrix.infra import processes, progress
 
 T = TypeVar("T")
@@ -32,14 +34,8 @@ def cores() -> int:
 
 
 def available_gib() -> float:
-    """``MemAvailable`` from /proc/meminfo (what can be used without swapping), in GiB."""
-    try:
-        for line in open("/proc/meminfo"):  # noqa: SIM115 - a tiny read-only file
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024**2
-    except OSError:
-        pass
-    return 0.0
+    """The memory that can be used without swapping (the kernel's ``MemAvailable``), in GiB."""
+    return psutil.virtual_memory().available / 1024**3
 
 
 def auto_jobs(cells: int, world_size: int) -> int:

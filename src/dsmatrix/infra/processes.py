@@ -32,7 +32,9 @@ def track_in(folder: Path | None) -> None:
 
 
 def start_time(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot), None when it is gone."""
+    """The kernel's start time of ``pid`` (clock ticks since boot), None when it is gone. Read from
+    ``/proc/<pid>/stat``: psutil's ``create_time()`` adds the boot time, which moves when the wall
+    clock is stepped, and a record compared after such a step would misname a live run as gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -47,9 +49,11 @@ def alive(pid: int, started: int | None) -> bool:
 
 def mine(pid: int) -> bool:
     """Whether ``pid`` runs as this process's user (the only processes a run may ever signal)."""
+    import psutil  # imported here: the noxfile plans cells in nox's own environment
+
     try:
-        return Path(f"/proc/{pid}").stat().st_uid == os.getuid()
-    except OSError:
+        return psutil.Process(pid).uids().effective == os.getuid()
+    except psutil.Error:
         return False
 
 
@@ -87,16 +91,13 @@ def session_members(sid: int) -> list[int]:
     """The processes of session ``sid``. Every child starts a session of its own, and whatever it
     starts stays in it: ninja (torch's JIT build) puts each compile command in a process group of
     its own, which signalling the child's group misses."""
+    import psutil
+
     members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state ppid pgrp session ...
-        except OSError:
-            continue
-        if int(fields[3]) == sid:
-            members.append(int(entry.name))
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if os.getsid(pid) == sid:
+                members.append(pid)
     return members
 
 

@@ -221,4 +221,5 @@ def build_report(
         "excluded": [{"id": e["cell"]["id"], "label": e["cell"]["label"], "rule": e["rule"], "reason": e["reason"]} for e in excluded],
         "errors": [{"id": c["id"], "label": c["label"], "message": "; ".join(c["reasons"])} for c in entries if c["verdict"] == ERROR],
         "plots": {},
+        "figures_left_out": None,  # why no plot was drawn (write_report says)
     }

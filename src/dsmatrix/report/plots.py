@@ -11,6 +11,17 @@ from dsmatrix.judge.throughput import NO_REGRESSION, REGRESSION
 MAX_RATIO_ROWS = 64  # a tall figure stays readable; beyond it, one benchmark per cell
 
 
+LEFT_OUT = "figures left out: matplotlib is not installed (pip install 'dsmatrix[plots]'; nox -s report installs it)"
+
+
+def left_out() -> str | None:
+    """Why no figure can be drawn here, or None: matplotlib is an extra (``dsmatrix[plots]``) that
+    only the report needs; the tables hold every figure's numbers."""
+    import importlib.util
+
+    return None if importlib.util.find_spec("matplotlib") else LEFT_OUT
+
+
 def _pyplot() -> Any:
     import matplotlib
 

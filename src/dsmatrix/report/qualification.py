@@ -18,7 +18,7 @@ from typing import Any
 
 from dsmatrix.infra.results import write_json
 from dsmatrix.report.content import build_report
-from dsmatrix.report.plots import leak_plot, ratio_plot
+from dsmatrix.report.plots import leak_plot, left_out, ratio_plot
 from dsmatrix.report.render import render_html, render_markdown
 from dsmatrix.report.stores import Source, TierPlan, load_source, merge
 
@@ -59,7 +59,9 @@ def write_report(stores: Sequence[Path], output: Path, plan: TierPlan | None = N
     target = output / report["id"]
     target.mkdir(parents=True, exist_ok=True)
     images = {}
-    for name, paths in (("leak", leak_plot(cells, target)), ("step-time-ratios", ratio_plot(cells, target))):
+    report["figures_left_out"] = left_out()
+    drawn = [] if report["figures_left_out"] else [("leak", leak_plot(cells, target)), ("step-time-ratios", ratio_plot(cells, target))]
+    for name, paths in drawn:
         if paths:
             report["plots"][name] = {"png": paths[0].name, "svg": paths[1].name}
             images[name] = "data:image/png;base64," + base64.b64encode(paths[0].read_bytes()).decode()
