@@ -6,7 +6,6 @@ Thin by design: each session installs the package and calls ``python -m dsmatrix
 """
 
 import hashlib
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from filelock import FileLock  # nox needs virtualenv, which needs filelock
 
 sys.path.insert(0, str(Path(__file__).parent / "src"))
 from dsmatrix.infra.errors import FatalError  # noqa: E402
+from dsmatrix.infra.interpreters import find_interpreter  # noqa: E402
 from dsmatrix.plan.cells import Cell, all_cells  # noqa: E402
 from dsmatrix.plan.matrix import load_matrix  # noqa: E402
 
@@ -41,17 +41,13 @@ def _load_cells() -> list[Cell]:
 
 
 def _driver_interpreter() -> str:
-    """A Python DRIVER_PYTHON: on the PATH, in pyenv's versions folder, or this one."""
-    found = shutil.which(f"python{DRIVER_PYTHON}")
-    if found:
-        return found
-    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
-    candidates = sorted(pyenv.glob(f"{DRIVER_PYTHON}.*/bin/python{DRIVER_PYTHON}"))
-    if candidates:
-        return str(candidates[-1])
+    """A Python DRIVER_PYTHON, found as the cells' interpreters are (PATH, then pyenv), else this one."""
     if sys.version_info[:2] == tuple(map(int, DRIVER_PYTHON.split("."))):
         return sys.executable
-    raise nox.command.CommandFailed(f"no Python {DRIVER_PYTHON} found (python{DRIVER_PYTHON} on PATH, {pyenv})")
+    try:
+        return str(find_interpreter(DRIVER_PYTHON))
+    except FatalError as exc:
+        raise nox.command.CommandFailed(str(exc)) from None
 
 
 def suite_python(session: nox.Session, extra: str = "") -> str:

@@ -285,7 +285,7 @@ def test_a_venv_or_shim_of_an_interpreter_is_found_as_the_interpreter_itself(tmp
     import subprocess
     import sys
 
-    from dsmatrix.build.environments import find_interpreter
+    from dsmatrix.infra.interpreters import find_interpreter
 
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     real = Path(os.path.realpath(sys._base_executable))

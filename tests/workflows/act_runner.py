@@ -24,8 +24,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsmatrix.build.environments import find_interpreter
 from dsmatrix.infra.errors import InterpreterNotFound
+from dsmatrix.infra.interpreters import find_interpreter
 
 REPO = Path(__file__).resolve().parents[2]
 STAND_INS = Path(__file__).resolve().parent / "stand-ins"

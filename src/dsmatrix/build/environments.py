@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dsmatrix.infra import processes
 from dsmatrix.infra.cache import materialise
-from dsmatrix.infra.errors import FatalError, InstallError, InterpreterNotFound, UnknownVersionError
+from dsmatrix.infra.errors import FatalError, InstallError, UnknownVersionError
 
 UV_ENV = {"UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"}
 MARKER = "dsmatrix-env.json"
@@ -82,38 +82,6 @@ def pip_sources() -> list[str]:
     for url in config.get("extra-index-url", "").split():
         args += ["--index", url]
     return args
-
-
-def _probe(exe: str) -> tuple[str, str] | None:
-    """(X.Y, real executable) of the interpreter ``exe`` runs: a pyenv shim or a venv's symlink
-    gives the interpreter behind it."""
-    code = "import os, sys; print('%d.%d' % sys.version_info[:2]); print(os.path.realpath(sys.executable))"
-    try:
-        out = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = out.stdout.split("\n")
-    return (lines[0].strip(), lines[1].strip()) if out.returncode == 0 and len(lines) > 1 and lines[1].strip() else None
-
-
-def find_interpreter(version: str) -> Path:
-    """A local interpreter for ``version`` (PATH first, then pyenv's versions folder), as its real
-    executable: environments are keyed by it, so a shim, a venv of it (setup-python's tool cache
-    under act) and the interpreter itself reuse the same environments."""
-    candidates: list[str] = []
-    on_path = shutil.which(f"python{version}")
-    if on_path:
-        candidates.append(on_path)
-    pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
-    candidates += [str(p) for p in sorted((pyenv_root / "versions").glob(f"{version}.*/bin/python{version}"), reverse=True)]
-    for exe in candidates:
-        found = _probe(exe)
-        if found and found[0] == version:
-            return Path(found[1])
-    raise InterpreterNotFound(
-        f"Python {version}: no interpreter found (python{version} on PATH, {pyenv_root}/versions/{version}.*); "
-        "install it or drop it from the matrix"
-    )
 
 
 def run_uv(

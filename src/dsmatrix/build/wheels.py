@@ -21,12 +21,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsmatrix.build.environments import Environment, ensure_environment, find_interpreter
+from dsmatrix.build.environments import Environment, ensure_environment
 from dsmatrix.build.patches import PatchSet, apply_diff
 from dsmatrix.build.sources import source_tarball
 from dsmatrix.infra import processes, progress
 from dsmatrix.infra.cache import Cache, materialise
 from dsmatrix.infra.errors import BuildError, UnknownVersionError
+from dsmatrix.infra.interpreters import find_interpreter
 from dsmatrix.plan.cells import Cell
 
 SDIST = "deepspeed-{}.tar.gz"

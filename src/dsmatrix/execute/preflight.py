@@ -7,11 +7,12 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from dsmatrix.build.environments import check_installable, find_interpreter, uv_executable
+from dsmatrix.build.environments import check_installable, uv_executable
 from dsmatrix.build.patches import PatchSet, apply_diff
 from dsmatrix.build.wheels import source_archive, source_name, unpack_sdist
 from dsmatrix.infra import progress
 from dsmatrix.infra.cache import Cache
+from dsmatrix.infra.interpreters import find_interpreter
 from dsmatrix.plan.cells import Cell, Selection
 
 

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsmatrix.build.environments import ensure_environment, find_interpreter, pip_freeze
+from dsmatrix.build.environments import ensure_environment, pip_freeze
 from dsmatrix.build.patches import PatchSet
 from dsmatrix.build.wheels import build_key, build_wheel
 from dsmatrix.infra import parallel, progress
 from dsmatrix.infra.cache import Cache, extensions_folder
+from dsmatrix.infra.interpreters import find_interpreter
 from dsmatrix.plan.cells import Cell
 
 BUILDS = ("stock", "patched")
