@@ -125,3 +125,22 @@ def check_one_line_error(tmp_path: Path, *args: str, expect: str, code: int = 2)
     assert len(lines) == 1 and lines[0].startswith("dsmatrix: error: "), proc.stderr
     assert expect in lines[0], lines[0]
     assert not results.exists(), "bad input must not leave a results folder"
+
+
+def simple_index(root: Path, wheels: list[Path]) -> str:
+    """A PEP 503 package index at ``root`` serving ``wheels`` (a plain machine's stand-in for a
+    package index: uv reads it as it reads PyPI); returns its file:// URL."""
+    for wheel in wheels:
+        project = root / wheel.name.split("-", 1)[0].lower().replace("_", "-")
+        project.mkdir(parents=True, exist_ok=True)
+        link = f'<a href="{wheel.resolve().as_uri()}">{wheel.name}</a>'
+        (project / "index.html").write_text(f"<!DOCTYPE html><html><body>{link}</body></html>\n")
+    root.mkdir(parents=True, exist_ok=True)
+    return root.resolve().as_uri()
+
+
+def hide_pip_configuration(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this machine's pip configuration and local wheel folders hidden: what pip (and
+    so the suite) sees on a machine with only the public package index."""
+    hidden = {k: v for k, v in env.items() if not k.startswith(("PIP_", "UV_"))}
+    return {**hidden, "PIP_CONFIG_FILE": os.devnull}

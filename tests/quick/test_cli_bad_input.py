@@ -46,6 +46,12 @@ def test_bad_options(tmp_path: Path, args: list[str], message: str) -> None:
     check_one_line_error(tmp_path, *args, expect=message)
 
 
+def test_a_malformed_cpu_index_setting_is_named_before_anything_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSMATRIX_TORCH_CPU_INDEX", "--index-url=https://elsewhere")
+    check_one_line_error(tmp_path, "--deepspeed", "0.19.8", expect="DSMATRIX_TORCH_CPU_INDEX: '--index-url=https://elsewhere' is not one")
+    assert not (tmp_path / "results").exists()
+
+
 def test_plan_lists_cells_without_running(tmp_path: Path) -> None:
     proc = run_cli("matrix", "--plan", "--results", str(tmp_path / "results"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

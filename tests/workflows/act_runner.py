@@ -167,12 +167,6 @@ class Act:
         self.cache_action = cache_with_restore(self.actions / PINNED["actions/cache@v5"], out / "actions" / "cache@v5")
         self.binary = act_binary()
 
-    def local_machine_vars(self) -> list[str]:
-        """Repository variables a run here needs: the CPU torch index is this machine's pip index."""
-        listed = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.extra-index-url"], capture_output=True, text=True)
-        index = listed.stdout.strip()
-        return [f"TORCH_CPU_INDEX={index}"] if index else []
-
     def run(
         self, workflow: str, event: str, job: str | None = None, inputs: dict[str, str] | None = None, variables: tuple[str, ...] = ()
     ) -> ActResult:
@@ -190,7 +184,7 @@ class Act:
         command += ["--env", f"DSMATRIX_ACT_ARTIFACTS={self.artifacts}"]
         for name, value in (inputs or {}).items():
             command += ["--input", f"{name}={value}"]
-        for variable in [*self.local_machine_vars(), *variables]:
+        for variable in variables:  # no TORCH_CPU_INDEX: this machine's pip sources hold the +cpu wheel
             command += ["--var", variable]
         if job is not None:
             command += ["-j", job]

@@ -2,8 +2,10 @@
 
 uv ignores pip's configuration, so the package sources pip is configured with (find-links,
 index and extra index URLs, from ``pip config list`` and ``PIP_*`` variables) are read here
-and handed to uv; whatever pip on the host can install, the suite can. Interpreters are found
-locally (PATH, pyenv) and never downloaded. Files inside an environment are never edited:
+and handed to uv; whatever pip on the host can install, the suite can. A CPU-only torch
+(``torch==X+cpu``) that those sources lack comes from PyTorch's CPU wheel index, or the one
+``DSMATRIX_TORCH_CPU_INDEX`` names. Interpreters are found locally (PATH, pyenv) and never
+downloaded. Files inside an environment are never edited:
 uv hardlinks them from its cache, so a patched DeepSpeed is always a separately built wheel.
 """
 
@@ -20,12 +22,16 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from dsmatrix.infra import processes
 from dsmatrix.infra.cache import materialise
-from dsmatrix.infra.errors import FatalError, InstallError, UnknownVersionError
+from dsmatrix.infra.errors import ConfigError, FatalError, InstallError, UnknownVersionError
+from dsmatrix.infra.interpreters import interpreter_version
 
 UV_ENV = {"UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"}
+TORCH_CPU_INDEX = "DSMATRIX_TORCH_CPU_INDEX"  # the setting; the workflows pass their repository variable
+DEFAULT_TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 MARKER = "dsmatrix-env.json"
 
 
@@ -107,16 +113,61 @@ def uv_error(stderr: str) -> str:
     return " ".join(lines[-3:])[-600:] if lines else "uv failed without a message"
 
 
-def check_installable(requirement: str, python: str) -> None:
-    """Resolve ``requirement`` alone (no download of wheels); UnknownVersionError if impossible."""
+def torch_cpu_index() -> str:
+    """The CPU-only torch wheel index: ``DSMATRIX_TORCH_CPU_INDEX``, else PyTorch's."""
+    url = os.environ.get(TORCH_CPU_INDEX, "").strip() or DEFAULT_TORCH_CPU_INDEX
+    if urlsplit(url).scheme not in ("https", "http", "file") or any(c.isspace() for c in url):
+        raise ConfigError(f"{TORCH_CPU_INDEX}: {url[:200]!r} is not one http(s):// or file:// URL")
+    return url
+
+
+_cpu_index_needed: dict[tuple[str, str], bool] = {}  # (torch requirement, X.Y) -> the pip sources lack it
+
+
+def _cpu_torch(requirements: Sequence[str]) -> str | None:
+    return next((r for r in requirements if r.startswith("torch==") and r.endswith("+cpu")), None)
+
+
+def _resolve(requirement: str, python: str, sources: Sequence[str], what: str) -> None:
     run_uv(
         ["pip", "compile", "-", "--no-deps", "--quiet", "--no-header", "--python-version", python,
-         "--index-strategy", "unsafe-best-match", *pip_sources()],
-        f"{requirement} for Python {python}: not installable here",
+         "--index-strategy", "unsafe-best-match", *sources],
+        what,
         timeout=300,
         stdin=requirement + "\n",
         error=UnknownVersionError,
     )  # fmt: skip
+
+
+def check_installable(requirement: str, python: str) -> None:
+    """Resolve ``requirement`` alone (no download of wheels); UnknownVersionError if impossible.
+    A CPU-only torch the pip sources lack is looked up on the CPU index, and taken from there."""
+    what = f"{requirement} for Python {python}: not installable here"
+    torch = _cpu_torch([requirement])
+    if torch is None:
+        _resolve(requirement, python, pip_sources(), what)
+        return
+    try:
+        _resolve(requirement, python, pip_sources(), what)
+        _cpu_index_needed[torch, python] = False
+        return
+    except UnknownVersionError:
+        index = torch_cpu_index()
+    where = f"neither pip's sources nor the CPU index {index} ({TORCH_CPU_INDEX}) have it"
+    _resolve(requirement, python, [*pip_sources(), f"--index={index}"], f"{what}: {where}")
+    _cpu_index_needed[torch, python] = True
+
+
+def package_sources(requirements: Sequence[str], interpreter: Path) -> list[str]:
+    """uv's package sources for installing ``requirements`` with ``interpreter``: pip's, and the
+    CPU torch index where a CPU-only torch needs it (decided once per torch and Python)."""
+    torch = _cpu_torch(requirements)
+    if torch is None:
+        return pip_sources()
+    python = interpreter_version(interpreter)
+    if (torch, python) not in _cpu_index_needed:
+        check_installable(torch, python)
+    return [*pip_sources(), f"--index={torch_cpu_index()}"] if _cpu_index_needed[torch, python] else pip_sources()
 
 
 @dataclass(frozen=True)
@@ -172,7 +223,7 @@ def ensure_environment(path: Path, interpreter: Path, requirements: Sequence[str
         )
         run_uv(
             ["pip", "install", "--quiet", "--python", str(staging / "bin" / "python"), "--compile-bytecode",
-             "--index-strategy", "unsafe-best-match", *pip_sources(), *requirements],
+             "--index-strategy", "unsafe-best-match", *package_sources(requirements, interpreter), *requirements],
             f"{what}: install {' '.join(Path(r).name for r in requirements)}",
         )  # fmt: skip
         installed = installed_versions(staging / "bin" / "python")

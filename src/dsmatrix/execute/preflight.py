@@ -7,7 +7,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from dsmatrix.build.environments import check_installable, uv_executable
+from dsmatrix.build.environments import check_installable, torch_cpu_index, uv_executable
 from dsmatrix.build.patches import PatchSet, apply_diff
 from dsmatrix.build.wheels import source_archive, source_name, unpack_sdist
 from dsmatrix.infra import progress
@@ -27,6 +27,8 @@ def preflight(selection: Selection) -> None:
     on the first problem (``check_patch`` checks the fix)."""
     for python in sorted({c.python for c in selection.cells}):
         find_interpreter(python)
+    if any(c.torch.endswith("+cpu") for c in selection.cells):
+        torch_cpu_index()  # a malformed setting is named even where pip's sources hold the wheel
     for python, torch in sorted({(c.python, c.torch) for c in selection.cells}):
         progress.stage(f"checking the inputs: torch {torch} for Python {python}")
         check_installable(f"torch=={torch}", python)

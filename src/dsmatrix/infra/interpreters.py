@@ -42,3 +42,11 @@ def find_interpreter(version: str) -> Path:
         f"Python {version}: no interpreter found (python{version} on PATH, {pyenv_root}/versions/{version}.*); "
         "install it or drop it from the matrix"
     )
+
+
+def interpreter_version(interpreter: Path) -> str:
+    """X.Y of ``interpreter``, as ``find_interpreter`` returned it."""
+    found = _probe(str(interpreter))
+    if found is None:
+        raise InterpreterNotFound(f"{interpreter}: does not run")
+    return found[0]
