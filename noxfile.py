@@ -82,16 +82,16 @@ def matrix(session: nox.Session) -> None:
 
 
 def cell_argv(cell: Cell) -> list[str]:
-    """The ``dsmatrix matrix`` arguments of one cell's session: its platform and versions, release tier."""
-    axes = ["--platform", cell.platform, "--python", cell.python, "--torch", cell.torch, "--deepspeed", cell.deepspeed]
-    return ["matrix", "--tier", "release", *axes]
+    """The ``dsmatrix matrix`` arguments of one cell's session: the cell by its label (what ``--plan``
+    prints and the session is named), of the release tier, on its platform."""
+    return ["matrix", "--tier", "release", "--platform", cell.platform, "--cell", cell.label]
 
 
 def _cell_session(cell: Cell) -> None:
     def run_one_cell(session: nox.Session) -> None:
         session.run(suite_python(session), "-m", "dsmatrix", *cell_argv(cell), *session.posargs, external=True)
 
-    run_one_cell.__doc__ = f"one cell, every runtime axis (release tier): {cell.id}"
+    run_one_cell.__doc__ = f"one cell, every runtime axis: dsmatrix matrix --tier release --platform {cell.platform} --cell {cell.id}"
     nox.session(venv_backend="none", name=cell.label, default=False)(run_one_cell)
 
 
@@ -103,7 +103,7 @@ for _cell in _load_cells():
 def bench(session: nox.Session) -> None:
     """Executed instructions (callgrind), step time (interleaved rounds until decided) and leak, stock vs patched with
     A/A calibrations; cells with a result only get benchmarked. Exits 1 on a decided throughput regression."""
-    session.run(suite_python(session), "-m", "dsmatrix", "matrix", "--bench", *session.posargs, external=True)
+    session.run(suite_python(session), "-m", "dsmatrix", "bench", *session.posargs, external=True)
 
 
 @nox.session(venv_backend="none", default=False)

@@ -1,4 +1,4 @@
-"""Command line: ``python -m dsmatrix matrix|images|report`` (what the nox sessions call).
+"""Command line: ``python -m dsmatrix matrix|bench|report|images`` (what the nox sessions call).
 
 ``matrix`` checks all input first (matrix file, selection, interpreters, versions, patch
 applicability, and for cells on another platform the docker engine, emulation and image) so bad
@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dsmatrix import __version__
+from dsmatrix.build.environments import DEFAULT_TORCH_CPU_INDEX, TORCH_CPU_INDEX
 from dsmatrix.build.images import IMAGES, build_images, image_for
 from dsmatrix.build.patches import PatchSet, load_patch_set, pr_change
 from dsmatrix.build.sources import changed_diff, resolve
@@ -29,7 +31,7 @@ from dsmatrix.execute.step_time import DEFAULT_MAX_ROUNDS, DEFAULT_MINUTES
 from dsmatrix.infra import progress
 from dsmatrix.infra.cache import Cache, default_root
 from dsmatrix.infra.docker_engine import docker_engine
-from dsmatrix.infra.errors import ConfigError, FatalError, InterpreterNotFound, UnknownVersionError
+from dsmatrix.infra.errors import ConfigError, FatalError, InterpreterNotFound, MissingPrerequisites, UnknownVersionError
 from dsmatrix.infra.hosts import native_platform
 from dsmatrix.infra.locations import default_matrix, default_patch, project_root
 from dsmatrix.infra.parallel import SIDE_BY_SIDE
@@ -46,18 +48,68 @@ from dsmatrix.report.qualification import load_report, write_report
 from dsmatrix.report.render import render_markdown
 from dsmatrix.report.stores import TierPlan
 
+DESCRIPTION = (
+    "Compatibility-matrix validation of DeepSpeed's ZeRO-3 release-cache fix. Each cell (a Python, "
+    "torch and DeepSpeed) builds a stock and a patched DeepSpeed wheel, runs the same engine tests "
+    "and benchmarks on both, and gets a verdict: fixed, not-fixed, undetected or error."
+)
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="dsmatrix", description=__doc__)
-    parser.add_argument("--version", action="version", version=__version__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    matrix = sub.add_parser("matrix", help="run the selected cells, stock vs patched")
+EXIT_CODES = """exit codes:
+  0    every selected cell fixed, and no throughput regression decided
+  1    a cell not fixed (not-fixed, undetected, error) or a regression decided;
+       report: the headline misses --require
+  2    bad matrix file, selection or option
+  3    this machine lacks a prerequisite (g++, Python headers, GNU patch, git,
+       docker, emulation, an image)
+  4    a torch, DeepSpeed or git version that cannot be found
+  5    no interpreter for a Python of the selection
+  6    malformed patch set, or no diff for a DeepSpeed version
+  7    a diff does not apply
+  8    not enough free disk
+  9    a results file is unreadable or was altered
+  130  interrupted (finished cells are kept; the next run completes the others)"""
+
+ENVIRONMENT = f"""environment:
+  {TORCH_CPU_INDEX}  CPU-only torch wheel index, for torch X+cpu pins
+                            that pip's sources lack (default:
+                            {DEFAULT_TORCH_CPU_INDEX})
+  DSMATRIX_CACHE            the shared cache (default: ~/.cache/dsmatrix)
+  PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS
+                            with pip's configuration files: the package sources
+                            handed to uv
+  PYENV_ROOT                interpreters are looked for on PATH, then in its
+                            versions folder (default: ~/.pyenv)"""
+
+DEEPSPEED_HELP = (
+    "DeepSpeed release(s), e.g. 0.19.8 (repeat or comma-separate); or DeepSpeed from git: "
+    "git:URL_OR_PATH@REF (the fix applied to REF), or git:URL_OR_PATH with --base REF --head REF "
+    "(PR mode: stock from base, patched from head, no diff applied)"
+)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Wraps a one-paragraph description, keeps the epilog's lines, and shows each option's default
+    where it has one to show."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return super()._fill_text(text, width, indent) if "\n" not in text else "".join(indent + line for line in text.splitlines(True))
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _matrix_arguments(matrix: argparse.ArgumentParser, bench_default: str) -> None:
+    """The options ``matrix`` and ``bench`` share: what to run, where, and how."""
     matrix.add_argument("--root", type=Path, help="project root: its matrix/matrix.toml and patches/ (default: found from here upwards)")
     matrix.add_argument("--matrix", type=Path, help="matrix file (default: the project's, else the bundled one)")
-    matrix.add_argument("--tier", default="default")
+    matrix.add_argument("--tier", default="default", help="tier of the matrix file whose cells and runtime axes run")
     for axis in ("platform",) + CELL_AXES + RUNTIME_AXES:
         flag = f"--{axis.replace('_', '-')}"
-        matrix.add_argument(flag, dest=axis, action="append", metavar="VALUE", help=f"select {axis} value(s) (repeat or comma-separate)")
+        text = DEEPSPEED_HELP if axis == "deepspeed" else f"select {axis} value(s) (repeat or comma-separate; default: the tier's)"
+        matrix.add_argument(flag, dest=axis, action="append", metavar="VALUE", help=text)
     matrix.add_argument("--patch", type=Path, help="manifest folder or a single diff (default: the project's fix, else the bundled one)")
     matrix.add_argument("--base", metavar="REF", help="PR mode, with --deepspeed git:REPO: stock from this ref (default: its @REF)")
     matrix.add_argument("--head", metavar="REF", help="PR mode: patched is built from this ref of the same repository, no diff applied")
@@ -67,8 +119,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         metavar="SET",
         help="git sources: the set of DeepSpeed's own tests run on both builds (core, quick, full, or none)",
     )
-    matrix.add_argument("--results", type=Path, default=Path("results"))
-    matrix.add_argument("--cache-dir", type=Path, default=default_root())
+    matrix.add_argument("--results", type=Path, default=Path("results"), help="results store: one folder per run, latest/ the newest")
+    matrix.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=default_root(),
+        help="shared cache of sdists, wheels and environments (default: ~/.cache/dsmatrix)",
+    )
     matrix.add_argument("--plan", action="store_true", help="print the selected cells (and excluded ones) and exit")
     matrix.add_argument("--json", action="store_true", help="with --plan: the cells as a GitHub Actions job matrix ({include: [...]})")
     matrix.add_argument("--fresh", action="store_true", help="reuse nothing: re-run every cell, stock tests included")
@@ -77,13 +134,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     matrix.add_argument("--in-image", action="store_true", help="run this platform's cells in its image as well")
     matrix.add_argument("--base-image", help="base image for building missing images (default: debootstrap one here)")
-    matrix.add_argument(
-        "--jobs",
-        "-j",
-        default="auto",
-        metavar="N",
-        help="cells run at once here (default auto: a cell per core, memory allowing)",
-    )
+    matrix.add_argument("--jobs", "-j", default="auto", metavar="N", help="cells run at once here (auto: a cell per core, memory allowing)")
     matrix.add_argument(
         "--side-by-side",
         choices=SIDE_BY_SIDE,
@@ -97,12 +148,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="one new torch set at a time, its uv cache and environments removed after its last cell "
         "(auto: when the run's estimate exceeds the free disk)",
     )
-    matrix.add_argument("--cell", "--only", dest="only", action="append", metavar="CELL_ID", help="run only these cell ids (a CI job)")
+    matrix.add_argument(
+        "--cell",
+        "--only",
+        dest="only",
+        action="append",
+        metavar="CELL",
+        help="run only these cells: ids (py3.11-torch2.13.0+cpu-ds0.19.8, comma-separated) or labels as --plan prints them; "
+        "nox's cell sessions run --tier release --cell LABEL",
+    )
     matrix.add_argument(
         "--bench",
         action=argparse.BooleanOptionalAction,
-        help="instruction-count, step-time and leak benchmarks per cell; finished cells only get benchmarked "
-        "(default: the tier's `benchmarks` in matrix.toml: on in every tier but smoke)",
+        help=f"instruction-count, step-time and leak benchmarks per cell; finished cells only get benchmarked (default: {bench_default})",
     )
     matrix.add_argument(
         "--max-rounds",
@@ -116,23 +174,55 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=DEFAULT_MINUTES,
         help="time budget of the step-time rounds per dtype x checkpointing combination",
     )
-    matrix.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="step-time regression margin (0.035 = 3.5%%)")
+    matrix.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="step-time regression margin, 0.035 being 3.5%%")
     matrix.add_argument(
         "--instructions-margin",
         type=float,
         default=DEFAULT_INSTRUCTIONS_MARGIN,
-        help="executed-instructions regression margin (0.005: 0.5%%)",
+        help="executed-instructions regression margin, 0.005 being 0.5%%",
     )
     matrix.add_argument("--leak-lifecycles", type=int, default=20, help="engine lifecycles in the leak benchmark")
-    images = sub.add_parser("images", help="build the container images (containers/*/Dockerfile)")
-    images.add_argument("--platform", action="append", metavar="PLATFORM", help=f"one of {', '.join(IMAGES)} (default: both)")
-    images.add_argument("--base-image", help="an official Debian image where a registry is reachable (default: debootstrap one here)")
-    images.add_argument("--cache-dir", type=Path, default=default_root())
-    report = sub.add_parser("report", help="merge results stores into the release-qualification report (Markdown, HTML, JSON)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dsmatrix`` command line and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="dsmatrix", description=DESCRIPTION, epilog=f"{EXIT_CODES}\n\n{ENVIRONMENT}", formatter_class=HelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{matrix,bench,report,images}")
+    epilog = f"{EXIT_CODES}\n\n{ENVIRONMENT}"
+    matrix = sub.add_parser(
+        "matrix",
+        help="run the selected cells, stock vs patched (nox -s matrix)",
+        description="Run the tier's cells, stock vs patched: build both wheels, run the engine tests on both, and "
+        "benchmark where the tier says so; a verdict per cell, recorded as soon as it is finished.",
+        epilog=epilog,
+        formatter_class=HelpFormatter,
+    )
+    _matrix_arguments(matrix, "the tier's `benchmarks` in matrix.toml: on in every tier but smoke")
+    bench = sub.add_parser(
+        "bench",
+        help="the same, benchmarks always on (nox -s bench)",
+        description="dsmatrix matrix --bench: the selected cells with their benchmarks; a cell with a finished "
+        "correctness result is only benchmarked. Exits 1 on a decided throughput regression.",
+        epilog=epilog,
+        formatter_class=HelpFormatter,
+    )
+    _matrix_arguments(bench, "on")
+    bench.set_defaults(bench=True)
+    report = sub.add_parser(
+        "report",
+        help="merge results stores into the release-qualification report (nox -s report)",
+        description="Merge results stores into reports/<id>/qualification.{md,html,json}, with summary.md and, for git "
+        "sources, evidence.md; print the summary.",
+        epilog=EXIT_CODES,
+        formatter_class=HelpFormatter,
+    )
     report.add_argument(
         "stores", nargs="*", type=Path, default=[Path("results")], help="results stores (their latest run) or run folders; default: results"
     )
-    report.add_argument("--output", type=Path, default=Path("reports"))
+    report.add_argument("--output", type=Path, default=Path("reports"), help="where the report's folder is written")
     report.add_argument(
         "--tier",
         help="judge coverage by this tier's plan: every cell it plans must have finished in one of the stores (a tier run in parts)",
@@ -143,9 +233,24 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     report.add_argument(
         "--require",
         choices=("qualified", "correct"),
-        help="exit 1 unless the headline is QUALIFIED (qualified) or at least CORRECT, THROUGHPUT NOT SHOWN (correct)",
+        help="exit 1 unless the headline is QUALIFIED (qualified) or at least CORRECT, THROUGHPUT NOT SHOWN (correct); "
+        "without it the report exits 0",
     )
-    return parser.parse_args(argv)
+    images = sub.add_parser(
+        "images",
+        help="build the container images (nox -s images)",
+        description="Build the container images the --in-image and arm64 cells run in (containers/*/Dockerfile).",
+        epilog=EXIT_CODES,
+        formatter_class=HelpFormatter,
+    )
+    images.add_argument("--platform", action="append", metavar="PLATFORM", help=f"one of {', '.join(IMAGES)} (default: both)")
+    images.add_argument("--base-image", help="an official Debian image where a registry is reachable (default: debootstrap one here)")
+    images.add_argument("--cache-dir", type=Path, default=default_root(), help="shared cache (default: ~/.cache/dsmatrix)")
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _split(raw: list[str] | None) -> list[str] | None:
@@ -162,6 +267,8 @@ def _git_sources(args: argparse.Namespace, cache: Cache) -> dict[str, list[str |
     wanted: dict[str, list[str | GitSource] | None] = dict(_wanted(args))  # type: ignore[arg-type]
     values = wanted.get("deepspeed") or []
     gits = [v for v in values if isinstance(v, str) and is_git(v)]
+    if gits and shutil.which("git") is None:
+        raise MissingPrerequisites(["git (DeepSpeed from git, --deepspeed git:...): apt-get install git"])
     for option, ref in (("--base", args.base), ("--head", args.head)):
         if ref is not None:
             check_ref(ref, option)
@@ -251,6 +358,15 @@ def _resume(args: argparse.Namespace) -> str:
     return "none" if args.fresh else "fixed-only" if args.rerun_failed else "finished"
 
 
+def _cell_ids(raw: list[str], labels: dict[str, str]) -> list[str]:
+    """``--cell`` values as cell ids: a label as ``--plan`` prints it (which holds commas), else
+    comma-separated ids."""
+    ids: list[str] = []
+    for item in raw:
+        ids += [labels[item.strip()]] if item.strip() in labels else [v.strip() for v in item.split(",") if v.strip()]
+    return ids
+
+
 def _select(matrix: Matrix, args: argparse.Namespace, cache: Cache) -> Selection:
     """The tier's cells on the chosen platforms, narrowed by the axis options and ``--cell``."""
     platforms = _split(args.platform) or [native_platform()]
@@ -259,12 +375,12 @@ def _select(matrix: Matrix, args: argparse.Namespace, cache: Cache) -> Selection
     if git_elsewhere:
         raise ConfigError(f"{git_elsewhere[0].label}: git sources run on this machine's platform ({native_platform()}), not in an image")
     if args.only:
-        known = {c.id for c in selection.cells} | {e.cell.id for e in selection.excluded}
-        unknown = [c for c in _split(args.only) or [] if c not in known]
+        cells = [*selection.cells, *(e.cell for e in selection.excluded)]
+        wanted = set(_cell_ids(args.only, {c.label: c.id for c in cells}))
+        unknown = sorted(wanted - {c.id for c in cells})
         if unknown:
             listed = ", ".join(c.id for c in selection.cells) or "none"
             raise ConfigError(f"--cell {unknown[0]}: not a cell of tier {args.tier} on {', '.join(platforms)} (its cells: {listed})")
-        wanted = set(_split(args.only) or [])
         kept = tuple(c for c in selection.cells if c.id in wanted)
         selection = Selection(kept, selection.runtime, tuple(e for e in selection.excluded if e.cell.id in wanted))
     return selection
@@ -426,7 +542,7 @@ def command_images(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"matrix": command_matrix, "images": command_images, "report": command_report}
+COMMANDS = {"matrix": command_matrix, "bench": command_matrix, "images": command_images, "report": command_report}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -434,7 +550,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except FatalError as exc:
-        print(f"dsmatrix: error: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines() or [""]:
+            print(f"dsmatrix: error: {line}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:  # e.g. while a git source is fetched, before any run folder exists
         print(f"dsmatrix: {args.command} interrupted", file=sys.stderr)

@@ -130,3 +130,44 @@ def test_no_disk(tmp_path: Path) -> None:
         assert not (small / "sdists").exists()
     finally:
         subprocess.run([*root, "umount", str(small)], check=True)
+
+
+def test_missing_prerequisites_are_named_one_line_each_before_any_download(tmp_path: Path) -> None:
+    """No g++ and a patch that is not GNU's: both named, with how to get them, before the inputs
+    are checked (nothing downloaded, nothing written)."""
+    import os
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "patch").write_text("#!/bin/sh\necho 'patch 2.5.9 (BSD)'\n")
+    (bin_dir / "patch").chmod(0o755)
+    env = {**os.environ, "PATH": str(bin_dir)}  # the interpreters come from pyenv's folder
+    command = [sys.executable, "-m", "dsmatrix", "matrix", "--deepspeed", "0.19.8", "--results", str(tmp_path / "results")]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        "dsmatrix: error: g++ (DeepSpeed compiles its CPU comm op with it when the tests start): apt-get install g++",
+        "dsmatrix: error: GNU patch (applies the fix's diffs; found: patch 2.5.9 (BSD)): apt-get install patch",
+    ]
+    assert "checking the inputs: torch" not in proc.stdout and not (tmp_path / "results").exists()
+
+
+def test_missing_python_headers_name_the_debian_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsmatrix.execute import preflight
+
+    monkeypatch.setattr(preflight, "headers_missing", lambda interpreter: "/usr/include/python3.11")
+    (line,) = [m for m in preflight.missing_prerequisites(["3.11"]) if "headers" in m]
+    assert line == "Python 3.11's headers (Python.h in /usr/include/python3.11, for the same compile): apt-get install python3.11-dev"
+
+
+def test_a_git_source_without_git_says_so(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PATH": str(tmp_path)}
+    command = [sys.executable, "-m", "dsmatrix", "matrix", "--deepspeed", "git:https://example.invalid/DeepSpeed@master", "--plan"]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (3, "dsmatrix: error: git (DeepSpeed from git, --deepspeed git:...): apt-get install git\n")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -12,7 +14,8 @@ from dsmatrix.build.patches import PatchSet, apply_diff
 from dsmatrix.build.wheels import source_archive, source_name, unpack_sdist
 from dsmatrix.infra import progress
 from dsmatrix.infra.cache import Cache
-from dsmatrix.infra.interpreters import find_interpreter
+from dsmatrix.infra.errors import MissingPrerequisites
+from dsmatrix.infra.interpreters import find_interpreter, headers_missing
 from dsmatrix.plan.cells import Cell, Selection
 
 
@@ -22,11 +25,38 @@ def cache_size() -> str:
     return proc.stdout.strip() or "unknown"
 
 
-def preflight(selection: Selection) -> None:
-    """Check the interpreters and torch versions the run depends on; raises a one-line FatalError
-    on the first problem (``check_patch`` checks the fix)."""
-    for python in sorted({c.python for c in selection.cells}):
+def missing_prerequisites(pythons: Sequence[str]) -> list[str]:
+    """What this machine lacks to build and test cells here with these Pythons (found already):
+    one line each, naming what needs it and how to get it (Debian's package names)."""
+    if platform.system() != "Linux":
+        return [f"Linux: cells run DeepSpeed's CPU build on Linux only (this is {platform.system()}); use a Linux machine, VM or CI"]
+    missing = []
+    if shutil.which("g++") is None:
+        missing.append("g++ (DeepSpeed compiles its CPU comm op with it when the tests start): apt-get install g++")
+    for python in pythons:
+        where = headers_missing(find_interpreter(python))
+        if where:
+            missing.append(f"Python {python}'s headers (Python.h in {where}, for the same compile): apt-get install python{python}-dev")
+    version = subprocess.run(["patch", "--version"], capture_output=True, text=True) if shutil.which("patch") else None
+    if version is None or "GNU patch" not in version.stdout:
+        found = version.stdout.splitlines()[0] if version and version.stdout else "none on PATH"
+        missing.append(f"GNU patch (applies the fix's diffs; found: {found}): apt-get install patch")
+    return missing
+
+
+def preflight(selection: Selection, bench: bool = False) -> None:
+    """Check what the run depends on before anything is downloaded: the tools and headers, the
+    interpreters, the torch versions; raises a FatalError, one line per problem (``check_patch``
+    checks the fix)."""
+    pythons = sorted({c.python for c in selection.cells})
+    for python in pythons:
         find_interpreter(python)
+    missing = missing_prerequisites(pythons) if selection.cells else []
+    if missing:
+        raise MissingPrerequisites(missing)
+    if bench and selection.cells and shutil.which("valgrind") is None:
+        print("dsmatrix: valgrind is not installed: instructions are not counted, step time alone decides throughput "
+              "(apt-get install valgrind)", flush=True)  # fmt: skip
     if any(c.torch.endswith("+cpu") for c in selection.cells):
         torch_cpu_index()  # a malformed setting is named even where pip's sources hold the wheel
     for python, torch in sorted({(c.python, c.torch) for c in selection.cells}):

@@ -148,7 +148,7 @@ def plan_run(options: MatrixOptions) -> Plan:
     for platform in plan.image_platforms:
         cells = [c for c in todo if c.platform == platform and hosts[c] != LOCAL]
         plan.need_gib += plan_disk(cells, options.cache.in_image(image_for(platform).name), "off").need_gib
-    preflight(local)
+    preflight(local, options.bench is not None)
     check_patch(todo, options.patch, options.cache)  # also for cells that run in an image
     if plan.image_platforms:
         image_source_tree(options.root)  # images need the suite's source tree: say so before anything runs

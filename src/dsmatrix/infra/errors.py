@@ -1,6 +1,7 @@
 """One-line fatal errors, each naming what went wrong and where (cibuildwheel style).
 
-The CLI prints ``dsmatrix: error: <message>`` and exits with the class's code; no traceback.
+The CLI prints ``dsmatrix: error: <message>`` (a line each, for several) and exits with the class's
+code; no traceback.
 Codes: 1 a cell failed (CellError), 2 bad matrix or selection, 3 host (docker, emulation),
 4 unknown version, 5 missing interpreter, 6 patch set, 7 patch does not apply, 8 disk,
 9 results file, 130 interrupted.
@@ -81,6 +82,13 @@ class HostError(FatalError):
     """A host (docker engine, emulation, container image) the selection needs is not available."""
 
     exit_code = 3
+
+
+class MissingPrerequisites(HostError):
+    """A tool or file this machine must have is missing: one line each, with how to get it."""
+
+    def __init__(self, missing: list[str]) -> None:
+        super().__init__("\n".join(missing))
 
 
 class DockerUnavailable(HostError):

@@ -50,3 +50,12 @@ def interpreter_version(interpreter: Path) -> str:
     if found is None:
         raise InterpreterNotFound(f"{interpreter}: does not run")
     return found[0]
+
+
+def headers_missing(interpreter: Path) -> str | None:
+    """Where ``interpreter``'s C headers should be, when its ``Python.h`` is not there (None: found)."""
+    code = "import os, sysconfig; p = sysconfig.get_path('include'); print(p if not os.path.isfile(os.path.join(p, 'Python.h')) else '')"
+    out = subprocess.run([str(interpreter), "-c", code], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        return str(interpreter)
+    return out.stdout.strip() or None
