@@ -33,8 +33,14 @@ def test_static_graph_behaves_as_stock(dtype: str, checkpointing: str, settings:
     torch_model = settings.model(checkpointing)
     engine = zero3.build_engine(torch_model, dtype, settings=settings)
     observer = zero3.Observer(engine, torch_model)
-    for _ in range(STEPS):
-        observer.step(lambda: zero3.train_step(engine, dtype))
+    try:
+        for _ in range(STEPS):
+            observer.step(lambda: zero3.train_step(engine, dtype))
+    except RuntimeError as exc:
+        if not settings.cpu_cannot_run(exc):
+            raise
+        engine.destroy()
+        pytest.skip(f"not applicable: DeepSpeed {zero3.deepspeed_version()} cannot run {settings.name} on CPU: {exc}")
     complete = observer.coordinator.is_complete_trace()
     engine.destroy()
     steps = observer.steps[1:]

@@ -204,6 +204,13 @@ class Settings:
             return f"DeepSpeed {deepspeed_version()} has no stage3_module_granularity_threshold"
         return ""
 
+    def cpu_cannot_run(self, error: RuntimeError) -> bool:
+        """Whether ``error`` is DeepSpeed's own fast-fetch release failing on CPU: before 0.18 it
+        allocates a buffer on ``get_accelerator().current_device()``, which the CPU accelerator
+        gives as the string '0', not a device torch knows. Both builds fail alike there; a build
+        that fails so where the other runs is told by the skip on one build only (an error)."""
+        return self.granularity_threshold is not None and "Invalid device string" in str(error)
+
     def zero_optimization(self) -> dict[str, Any]:
         chosen = {
             "stage3_param_persistence_threshold": self.persistence_threshold,
