@@ -176,3 +176,13 @@ def test_the_report_grid_reads_its_states_from_verdict(tmp_path) -> None:
     for test in stock:
         again = test_state(outcome_from_dict(outcome_dict(stock[test])), outcome_from_dict(outcome_dict(patched[test])))
         assert again == test_state(stock[test], patched[test])
+
+
+def test_a_control_test_failing_on_both_builds_is_stocks_problem_not_the_patchs() -> None:
+    """Both builds fail a control or reference test alike (DeepSpeed itself cannot run the setting
+    here): stock is not right there, so the cell is an error naming stock, never a broken patch."""
+    verdict = cell_verdict(outcomes(control="failed"), outcomes(**{**PATCHED_OK, "control": "failed"}))
+    assert verdict.verdict == "error"
+    assert verdict.reasons == ("stock failed a control test (the observers may be blind): t::control: control failed",)
+    patched_only = cell_verdict(outcomes(), outcomes(**{**PATCHED_OK, "control": "failed"}))
+    assert patched_only.verdict == "not-fixed", "stock passes it: the patch broke it"

@@ -3,8 +3,9 @@
 - ``fixed``: the patched build passes every applicable test, behaves as stock in every
   reference test, AND the stock build shows every applicable bug (each bug is really seen,
   and really gone).
-- ``not-fixed``: a test fails (or errors) on the patched build, or the patched build gathers or
-  releases differently from stock where stock is right (``reference`` tests).
+- ``not-fixed``: a test fails (or errors) on the patched build (a bug test, or a control or
+  reference test that stock passes), or the patched build gathers or releases differently from
+  stock where stock is right (``reference`` tests).
 - ``undetected``: a bug test passes on stock: the test cannot see the bug in this cell.
 - ``error``: install, build or run failure, a stock failure that is not the bug (a harness
   assertion, an exception), or results that cannot be compared.
@@ -143,7 +144,8 @@ def cell_verdict(stock: Mapping[str, TestOutcome], patched: Mapping[str, TestOut
     if not bug_tests:
         return Verdict(ERROR, ("no applicable bug test ran",))
     references = [t for t in applicable if stock[t].reference == "stock"]
-    broken = [t for t in applicable if patched[t].outcome in ("failed", "error")]
+    # a control or reference test that stock fails too is not the patch's doing: stock is not right there (an error below)
+    broken = [t for t in applicable if patched[t].outcome in ("failed", "error") and (stock[t].bug or stock[t].outcome == "passed")]
     compared = [t for t in references if stock[t].outcome == "passed" and _comparable(patched[t])]
     differing = [(t, d) for t in compared if (d := behaviour_difference(stock[t], patched[t]))]
     if broken or differing:  # what the engine does differently comes first, then the tests it broke
