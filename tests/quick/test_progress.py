@@ -230,6 +230,7 @@ def test_pruning_a_finished_set_heartbeats(tmp_path: Path, monkeypatch: pytest.M
 
 def test_benchmarking_a_reused_cell_reports_under_the_cells_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`nox -s bench` over finished cells: the heartbeats said `dsmatrix: benchmarks ...`, not which cell."""
+    from dsmatrix.execute.benchmarks import BenchOptions
     from dsmatrix.plan.cells import Cell, Selection
 
     cell = Cell("3.12", "2.9.1", "0.19.2")
@@ -243,7 +244,7 @@ def test_benchmarking_a_reused_cell_reports_under_the_cells_name(tmp_path: Path,
         return result
 
     monkeypatch.setattr(schedule, "add_benchmarks", benchmarks)
-    options = schedule.MatrixOptions("nightly", tmp_path, None, tmp_path / "results", None, Selection((cell,), {}), bench=object())  # type: ignore[arg-type]
+    options = schedule.MatrixOptions("nightly", tmp_path, None, tmp_path / "results", None, Selection((cell,), {}), bench=BenchOptions())  # type: ignore[arg-type]
     plan = schedule.Plan({cell: LOCAL}, {cell: ""}, {cell: {"run_id": "20261203-000000-0000"}})
     reporter = progress.Reporter(total=1, live=False, heartbeat_s=0.5)
     reporter.line = line  # type: ignore[method-assign]

@@ -297,3 +297,41 @@ def test_a_venv_or_shim_of_an_interpreter_is_found_as_the_interpreter_itself(tmp
     for first in (tmp_path / "venv" / "bin", shim.parent):
         monkeypatch.setenv("PATH", f"{first}{os.pathsep}{os.environ['PATH']}")
         assert find_interpreter(version) == real, first
+
+
+@pytest.mark.parametrize(
+    ("earlier", "measured_again"),
+    [
+        ({}, False),  # decided with today's options: kept, with its files
+        ({"minutes": 0.5}, True),  # another budget: measured again
+        ({"verdict": "inconclusive"}, True),  # undecided: measured again
+    ],
+)
+def test_a_resumed_run_keeps_benchmarks_that_decided_with_the_same_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, earlier: dict, measured_again: bool
+) -> None:
+    """An interrupted nightly resumed: its finished cells were benchmarked again, a quarter of an hour each."""
+    from dataclasses import asdict, replace
+
+    from dsmatrix.execute.benchmarks import BenchOptions
+    from dsmatrix.infra.results import start_run
+    from dsmatrix.plan.cells import Selection
+
+    cell = Cell("3.11", "2.13.0+cpu", "0.19.8")
+    results = tmp_path / "results"
+    first = start_run(results, {})
+    name = f"{cell.id}-bench-stock.json"
+    (first.root / "bench").mkdir()
+    (first.root / "bench" / name).write_text("{}")
+    options_then = asdict(replace(BenchOptions(), **{k: v for k, v in earlier.items() if k != "verdict"}))
+    benchmarks = {"verdict": earlier.get("verdict", "no-regression"), "options": options_then, "files": [f"bench/{name}"]}
+    found = {"run_id": first.id, "verdict": "fixed", "benchmarks": benchmarks}
+    measured = []
+    monkeypatch.setattr(schedule, "add_benchmarks", lambda result, *args: measured.append(cell) or result)
+    second = start_run(results, {})
+    selection = Selection((cell,), {})
+    options = schedule.MatrixOptions("nightly", tmp_path, None, results, Cache(tmp_path / "cache"), selection, bench=BenchOptions())
+    result = schedule._reused(options, schedule.Plan({cell: LOCAL}, {cell: ""}, {cell: found}), cell, second)
+    assert bool(measured) == measured_again
+    assert (second.root / "bench" / name).is_file() != measured_again
+    assert result["reused_from"] == first.id

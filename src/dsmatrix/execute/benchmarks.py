@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from dsmatrix.infra.hosts import describe
 from dsmatrix.infra.results import Run
 from dsmatrix.judge.instructions import CALIBRATION_TOLERANCE
 from dsmatrix.judge.step_time import DEFAULT_MARGIN
-from dsmatrix.judge.throughput import HEADLINE_RULE, NOT_MEASURED, cell_throughput
+from dsmatrix.judge.throughput import HEADLINE_RULE, NO_REGRESSION, NOT_MEASURED, REGRESSION, cell_throughput
 from dsmatrix.plan.cells import Cell, Selection
 
 
@@ -63,7 +64,23 @@ def _run_benchmarks(
         "instructions": instructions,
         "leak": leak,
         "duration_s": round(time.monotonic() - started, 1),
+        "options": asdict(options),
     }
+
+
+def measured_alike(result: dict[str, Any], bench: BenchOptions) -> bool:
+    """Whether a finished result's benchmarks decided its throughput with these options: a resumed run
+    keeps them, with their files, instead of measuring another quarter of an hour (an undecided or
+    failed measurement is measured again)."""
+    found = result.get("benchmarks") or {}
+    return found.get("options") == asdict(bench) and found.get("verdict") in (NO_REGRESSION, REGRESSION)
+
+
+def keep_benchmark_files(found_run: Path, run: Run, cell: Cell) -> None:
+    """Copy a reused cell's benchmark files from the run that measured them into ``run``."""
+    (run.root / "bench").mkdir(parents=True, exist_ok=True)
+    for path in (found_run / "bench").glob(f"{cell.id}-*"):
+        shutil.copy2(path, run.root / "bench" / path.name)
 
 
 def add_benchmarks(result: dict[str, Any], cell: Cell, selection: Selection, patch: PatchSet, cache: Cache, run: Run, bench: BenchOptions):

@@ -31,7 +31,7 @@ from typing import Any
 from dsmatrix.build.environments import uv_cache_dir
 from dsmatrix.build.images import build_images, image_for
 from dsmatrix.build.patches import PatchSet
-from dsmatrix.execute.benchmarks import BenchOptions, add_benchmarks
+from dsmatrix.execute.benchmarks import BenchOptions, add_benchmarks, keep_benchmark_files, measured_alike
 from dsmatrix.execute.cell import run_cell
 from dsmatrix.execute.deepspeed_tests import DEFAULT_SET
 from dsmatrix.execute.in_image import run_in_image
@@ -199,7 +199,7 @@ Printer = Callable[[Cell, dict[str, Any]], None]
 
 
 def run_matrix(options: MatrixOptions, plan: Plan, say: Printer, meta: Mapping[str, Any]) -> Outcome:
-    """Run the planned cells: reused ones recorded (and benchmarked anew when asked), local ones
+    """Run the planned cells: reused ones recorded (benchmarked when asked and not yet decided), local ones
     here (``plan.jobs`` at a time), the rest in their platform's image; ``say`` prints each
     finished cell, and the progress reporter where the run is."""
     selection = options.selection
@@ -345,7 +345,10 @@ def _reused(options: MatrixOptions, plan: Plan, cell: Cell, run: Run) -> dict[st
     found = plan.reusable[cell]
     result = {**found, "reused_from": found.get("reused_from") or found["run_id"]}
     print(f"{cell.label}: reused the result of run {result['reused_from']} (--fresh re-runs it)", flush=True)
-    if options.bench and plan.hosts[cell] == LOCAL:  # measured anew: a benchmark is of its moment
+    if options.bench and measured_alike(found, options.bench):  # a resumed run keeps what it measured
+        keep_benchmark_files(options.results / found["run_id"], run, cell)
+        print(f"{cell.label}: benchmarks reused with it: throughput {found['benchmarks']['verdict']}", flush=True)
+    elif options.bench and plan.hosts[cell] == LOCAL:
         print(f"{cell.label}: benchmarks ...", flush=True)
         with progress.lane(cell.label):  # its stages and heartbeats name the cell
             result = add_benchmarks(result, cell, options.selection, options.patch, options.cache, run, options.bench)
