@@ -302,9 +302,10 @@ def test_a_venv_or_shim_of_an_interpreter_is_found_as_the_interpreter_itself(tmp
 @pytest.mark.parametrize(
     ("earlier", "measured_again"),
     [
-        ({}, False),  # decided with today's options: kept, with its files
+        ({}, False),  # decided with today's options: kept, with the files its record names
         ({"minutes": 0.5}, True),  # another budget: measured again
         ({"verdict": "inconclusive"}, True),  # undecided: measured again
+        ({"lost": "leak-patched"}, True),  # a file its record names is gone: measured again
     ],
 )
 def test_a_resumed_run_keeps_benchmarks_that_decided_with_the_same_options(
@@ -320,11 +321,21 @@ def test_a_resumed_run_keeps_benchmarks_that_decided_with_the_same_options(
     cell = Cell("3.11", "2.13.0+cpu", "0.19.8")
     results = tmp_path / "results"
     first = start_run(results, {})
-    name = f"{cell.id}-bench-stock.json"
+    names = {part: f"{cell.id}-{part}.json" for part in ("bench-stock", "instructions", "leak-patched")}
     (first.root / "bench").mkdir()
-    (first.root / "bench" / name).write_text("{}")
-    options_then = asdict(replace(BenchOptions(), **{k: v for k, v in earlier.items() if k != "verdict"}))
-    benchmarks = {"verdict": earlier.get("verdict", "no-regression"), "options": options_then, "files": [f"bench/{name}"]}
+    for part, name in names.items():
+        if part != earlier.get("lost"):
+            (first.root / "bench" / name).write_text("{}")
+    stray = f"{cell.id}-bench-r9-stock.json"  # in the run's folder, named by no record
+    (first.root / "bench" / stray).write_text("{}")
+    options_then = asdict(replace(BenchOptions(), **{k: v for k, v in earlier.items() if k not in ("verdict", "lost")}))
+    benchmarks = {
+        "verdict": earlier.get("verdict", "no-regression"),
+        "options": options_then,
+        "files": [f"bench/{names['bench-stock']}"],
+        "instructions": {"files": [f"bench/{names['instructions']}"]},
+        "leak": [{"build": "patched", "file": f"bench/{names['leak-patched']}"}],
+    }
     found = {"run_id": first.id, "verdict": "fixed", "benchmarks": benchmarks}
     measured = []
     monkeypatch.setattr(schedule, "add_benchmarks", lambda result, *args: measured.append(cell) or result)
@@ -333,5 +344,7 @@ def test_a_resumed_run_keeps_benchmarks_that_decided_with_the_same_options(
     options = schedule.MatrixOptions("nightly", tmp_path, None, results, Cache(tmp_path / "cache"), selection, bench=BenchOptions())
     result = schedule._reused(options, schedule.Plan({cell: LOCAL}, {cell: ""}, {cell: found}), cell, second)
     assert bool(measured) == measured_again
-    assert (second.root / "bench" / name).is_file() != measured_again
+    if not measured_again:
+        assert sorted(p.name for p in (second.root / "bench").iterdir()) == sorted(names.values())
+    assert not (second.root / "bench" / stray).exists()
     assert result["reused_from"] == first.id

@@ -76,11 +76,22 @@ def measured_alike(result: dict[str, Any], bench: BenchOptions) -> bool:
     return found.get("options") == asdict(bench) and found.get("verdict") in (NO_REGRESSION, REGRESSION)
 
 
-def keep_benchmark_files(found_run: Path, run: Run, cell: Cell) -> None:
-    """Copy a reused cell's benchmark files from the run that measured them into ``run``."""
+def recorded_files(benchmarks: dict[str, Any]) -> list[str]:
+    """The files a benchmarks record names (``bench/<name>``): step-time rounds, instruction counts, leak lines."""
+    named = [*benchmarks.get("files", []), *(benchmarks.get("instructions") or {}).get("files", [])]
+    return [*named, *(line["file"] for line in benchmarks.get("leak") or [] if line.get("file"))]
+
+
+def keep_benchmark_files(found_run: Path, run: Run, benchmarks: dict[str, Any]) -> bool:
+    """Copy the files a reused cell's benchmarks record names from the run that measured them into
+    ``run``; False when one is missing there (the cell is then measured again)."""
     (run.root / "bench").mkdir(parents=True, exist_ok=True)
-    for path in (found_run / "bench").glob(f"{cell.id}-*"):
-        shutil.copy2(path, run.root / "bench" / path.name)
+    sources = [found_run / "bench" / Path(name).name for name in recorded_files(benchmarks)]
+    if not all(source.is_file() for source in sources):
+        return False
+    for source in sources:
+        shutil.copy2(source, run.root / "bench" / source.name)
+    return True
 
 
 def add_benchmarks(result: dict[str, Any], cell: Cell, selection: Selection, patch: PatchSet, cache: Cache, run: Run, bench: BenchOptions):

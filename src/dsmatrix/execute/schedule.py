@@ -345,8 +345,9 @@ def _reused(options: MatrixOptions, plan: Plan, cell: Cell, run: Run) -> dict[st
     found = plan.reusable[cell]
     result = {**found, "reused_from": found.get("reused_from") or found["run_id"]}
     print(f"{cell.label}: reused the result of run {result['reused_from']} (--fresh re-runs it)", flush=True)
-    if options.bench and measured_alike(found, options.bench):  # a resumed run keeps what it measured
-        keep_benchmark_files(options.results / found["run_id"], run, cell)
+    found_run = options.results / found["run_id"]
+    if options.bench and measured_alike(found, options.bench) and keep_benchmark_files(found_run, run, found["benchmarks"]):
+        # a resumed run keeps what it measured
         print(f"{cell.label}: benchmarks reused with it: throughput {found['benchmarks']['verdict']}", flush=True)
     elif options.bench and plan.hosts[cell] == LOCAL:
         print(f"{cell.label}: benchmarks ...", flush=True)
