@@ -121,3 +121,13 @@ def test_a_schedule_benchmarks_as_the_tier_says() -> None:
     runs = re.findall(r"nox -s matrix -- .*", workflow)
     assert runs and all(run.endswith('"${bench[@]}"') for run in runs), runs
     assert workflow.count('bench=(); if [ "$BENCHMARKS" = off ]; then bench=(--no-bench); fi') == len(runs)
+
+
+@pytest.mark.parametrize("name", ["matrix.yml", "pr.yml", "qualify-pr.yml"])
+def test_every_cache_key_hashes_files_that_exist(name: str) -> None:
+    """``hashFiles`` of a path that is gone hashes nothing: the cache key would never change with the
+    code it stands for (the build code moved from ``builds.py`` to ``build/``)."""
+    workflow = (WORKFLOWS / name).read_text()
+    patterns = [p for call in re.findall(r"hashFiles\(([^)]*)\)", workflow) for p in re.findall(r"'([^']+)'", call)]
+    assert patterns, name
+    assert [p for p in patterns if not any(REPO.glob(p))] == []
