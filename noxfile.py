@@ -7,6 +7,7 @@ Thin by design: each session installs the package and calls ``python -m dsmatrix
 
 import hashlib
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -75,10 +76,34 @@ def suite_python(session: nox.Session, extra: str = "") -> str:
     return str(python)
 
 
+# On Ctrl-C or a signal to nox alone, nox waits ``interrupt_timeout`` for its child, then sends SIGTERM and
+# SIGKILLs it ``terminate_timeout`` later (0.3 s and 0.2 s by default). dsmatrix stops on the first SIGINT
+# or SIGTERM, then stops its own children (up to 35 s each) and writes the run's `interrupted` summary:
+# it gets its SIGTERM soon (a signal to nox alone never reaches it otherwise) and time to finish.
+STOP_SIGNAL_AFTER_S, FINISH_AFTER_SIGNAL_S = 2.0, 180.0
+
+
+def _stop_like_ctrl_c(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_dsmatrix(session: nox.Session, *args: str, extra: str = "") -> None:
+    """``python -m dsmatrix ARGS`` in the suite's environment; interrupted, it keeps what it finished.
+    Meanwhile SIGTERM stops nox as Ctrl-C does (by default it kills nox and leaves the run going)."""
+    python = suite_python(session, extra)
+    previous = signal.signal(signal.SIGTERM, _stop_like_ctrl_c)
+    try:
+        session.run(
+            python, "-m", "dsmatrix", *args, external=True, interrupt_timeout=STOP_SIGNAL_AFTER_S, terminate_timeout=FINISH_AFTER_SIGNAL_S
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @nox.session(venv_backend="none")
 def matrix(session: nox.Session) -> None:
     """Run the matrix (default tier unless -- --tier ...): stock vs patched, a verdict per cell."""
-    session.run(suite_python(session), "-m", "dsmatrix", "matrix", *session.posargs, external=True)
+    run_dsmatrix(session, "matrix", *session.posargs)
 
 
 def cell_argv(cell: Cell) -> list[str]:
@@ -89,7 +114,7 @@ def cell_argv(cell: Cell) -> list[str]:
 
 def _cell_session(cell: Cell) -> None:
     def run_one_cell(session: nox.Session) -> None:
-        session.run(suite_python(session), "-m", "dsmatrix", *cell_argv(cell), *session.posargs, external=True)
+        run_dsmatrix(session, *cell_argv(cell), *session.posargs)
 
     run_one_cell.__doc__ = f"one cell, every runtime axis: dsmatrix matrix --tier release --platform {cell.platform} --cell {cell.id}"
     nox.session(venv_backend="none", name=cell.label, default=False)(run_one_cell)
@@ -103,19 +128,19 @@ for _cell in _load_cells():
 def bench(session: nox.Session) -> None:
     """Executed instructions (callgrind), step time (interleaved rounds until decided) and leak, stock vs patched with
     A/A calibrations; cells with a result only get benchmarked. Exits 1 on a decided throughput regression."""
-    session.run(suite_python(session), "-m", "dsmatrix", "bench", *session.posargs, external=True)
+    run_dsmatrix(session, "bench", *session.posargs)
 
 
 @nox.session(venv_backend="none", default=False)
 def images(session: nox.Session) -> None:
     """Build the container images: x86_64 and rpi5 (-- --platform linux/arm64 for one, --base-image IMAGE)."""
-    session.run(suite_python(session), "-m", "dsmatrix", "images", *session.posargs, external=True)
+    run_dsmatrix(session, "images", *session.posargs)
 
 
 @nox.session(venv_backend="none")
 def report(session: nox.Session) -> None:
     """The release-qualification report (MD/HTML/JSON) from results, or from the stores given: -- STORE ..."""
-    session.run(suite_python(session, "plots"), "-m", "dsmatrix", "report", *session.posargs, external=True)
+    run_dsmatrix(session, "report", *session.posargs, extra="plots")
 
 
 # The suite's own tests by folder: tests/quick needs nothing downloaded; tests/e2e runs real DeepSpeed

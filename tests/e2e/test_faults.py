@@ -121,3 +121,19 @@ def test_two_nox_matrix_runs_on_one_cache(seeded_cache: Path, tmp_path: Path) ->
     assert sum(bool(r) for r in reused) == 1, f"the stock tests ran {2 - sum(bool(r) for r in reused)} times: {reused}"
     assert len(list((cache / "wheels").glob("*/*/*/build.json"))) == 2, "one stock and one patched wheel"
     assert not faults.leftovers(cache).any(), faults.leftovers(cache)
+
+
+def test_nox_matrix_stopped_through_nox_alone_records_the_interrupt(seeded_cache: Path, tmp_path: Path) -> None:
+    """SIGINT, then SIGTERM, to nox's process only (what a script or a CI runner holding nox's pid sends,
+    not a terminal's Ctrl-C to the whole group) while the tests run: nox passes the stop on and waits,
+    so each run ends as a signalled dsmatrix does, summary and cell `interrupted`, nothing left."""
+    results = tmp_path / "results"
+    command = [sys.executable, "-m", "nox", "-s", "matrix", "--", "--results", str(results), *SELECTION]
+    for sig in (signal.SIGINT, signal.SIGTERM):  # one cache: the second run starts at the tests
+        log = tmp_path / f"nox-{sig.name}.log"
+        record = faults.kill_at(command, seeded_cache, results, "test-run", sig, random.Random(0), log, REPO, max_delay_s=1.0)
+        print(json.dumps(record.as_dict()))
+        tail = f"{sig.name}: " + log.read_text()[-3000:]
+        assert record.reached and record.exit_code not in (0, None), tail
+        assert record.summary_status == "interrupted" and list(record.cell_verdicts.values()) == ["interrupted"], tail
+        assert not record.right_after.processes and not record.right_after.held_locks, f"{sig.name}: {record.right_after}"
