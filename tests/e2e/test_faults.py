@@ -88,11 +88,14 @@ def _walk(work: Path, signals: tuple[str, ...], rng: random.Random) -> list[str]
     return problems
 
 
+def _nox_matrix_command(results: Path) -> list[str]:
+    return [sys.executable, "-m", "nox", "-s", "matrix", "--", "--results", str(results), *SELECTION]
+
+
 def _nox_matrix(results: Path, cache: Path, log: Path) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(DSMATRIX_CACHE=str(cache), PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-m", "nox", "-s", "matrix", "--", "--results", str(results), *SELECTION]
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(_nox_matrix_command(results), cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture
@@ -128,7 +131,7 @@ def test_nox_matrix_stopped_through_nox_alone_records_the_interrupt(seeded_cache
     not a terminal's Ctrl-C to the whole group) while the tests run: nox passes the stop on and waits,
     so each run ends as a signalled dsmatrix does, summary and cell `interrupted`, nothing left."""
     results = tmp_path / "results"
-    command = [sys.executable, "-m", "nox", "-s", "matrix", "--", "--results", str(results), *SELECTION]
+    command = _nox_matrix_command(results)
     for sig in (signal.SIGINT, signal.SIGTERM):  # one cache: the second run starts at the tests
         log = tmp_path / f"nox-{sig.name}.log"
         record = faults.kill_at(command, seeded_cache, results, "test-run", sig, random.Random(0), log, REPO, max_delay_s=1.0)
