@@ -114,3 +114,20 @@ def test_malformed_patch_sets(tmp_path: Path) -> None:
     (folder / "manifest.toml").write_text('[[diff]]\nversions = "newest"\nfile = "x.diff"\n')
     with pytest.raises(PatchError, match="bad versions 'newest'"):
         load_patch_set(folder)
+
+
+def test_a_cached_wheel_names_its_patch_by_name_whichever_checkout_built_it(tmp_path: Path) -> None:
+    """A patched wheel in the shared cache, built from another checkout: the build facts a record
+    keeps name the patch, not that checkout's folder (nightly part 7 published one such path)."""
+    from dsmatrix.build.wheels import build_key, build_wheel
+    from dsmatrix.infra.cache import Cache
+    from dsmatrix.plan.cells import Cell
+
+    patch = load_patch_set(Path(__file__).parents[2] / "patches" / "zero3-release-cache")
+    cache, cell = Cache(tmp_path / "cache"), Cell("3.11", "2.13.0+cpu", "0.19.8")
+    folder = cache.wheel(cell.deepspeed, cell.python, cell.torch, build_key(patch))
+    folder.mkdir(parents=True)
+    (folder / "deepspeed-0.19.8+patched.whl").write_bytes(b"")
+    elsewhere = "/elsewhere/checkout/patches/zero3-release-cache"
+    (folder / "build.json").write_text(f'{{"wheel": "deepspeed-0.19.8+patched.whl", "patch_source": "{elsewhere}"}}')
+    assert build_wheel(cell, cache, patch).info["patch_source"] == "zero3-release-cache"

@@ -143,6 +143,8 @@ def build_wheel(cell: Cell, cache: Cache, patch: PatchSet | None) -> BuiltWheel:
         lambda staging: _build_wheel(cell, cache, build, applied, staging),
     )
     info = json.loads((folder / "build.json").read_text())
+    if "patch_source" in info:  # a wheel cached by any checkout: its patch by name, never that checkout's path
+        info["patch_source"] = Path(str(info["patch_source"])).name
     return BuiltWheel(build, folder / str(info["wheel"]), info)
 
 
@@ -171,7 +173,7 @@ def _build_wheel(cell: Cell, cache: Cache, build: str, patch: PatchSet | None, o
             diff = patch.diff_for(cell.deepspeed)
             apply_diff(diff, tree, source_name(cell))
             label = f"{label}.patched.{patch.short}" if label else f"+patched.{patch.short}"
-            info.update(patch_sha256=patch.sha256, patch_source=str(patch.source), diff=diff.name)
+            info.update(patch_sha256=patch.sha256, patch_source=patch.source.name, diff=diff.name)
         if label:
             env["DS_BUILD_STRING"] = label
         progress.stage(f"building the {build} wheel")

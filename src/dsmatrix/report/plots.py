@@ -95,7 +95,7 @@ def ratio_plot(cells: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     ax.set_yticks(range(len(rows)), [label for label, _, _ in rows], fontsize=7)
     ax.axvline(1.0, color="grey", linewidth=1)
     if margin is not None:
-        ax.axvline(1 + margin, color="tab:red", linestyle="--", linewidth=1, label=f"1 + margin ({margin:.0%})")
+        ax.axvline(1 + margin, color="tab:red", linestyle="--", linewidth=1, label=f"1 + margin ({margin * 100:g}%)")
         ax.legend(fontsize=8)
     ax.set_xlabel("patched/stock (or A/A): geometric mean of per-round median ratios, anytime-valid 95% confidence sequence")
     ax.invert_yaxis()
