@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from dsmatrix.build.patches import apply_diff, load_patch_set
+from dsmatrix.build.wheels import build_key, build_wheel
+from dsmatrix.infra.cache import Cache
 from dsmatrix.infra.errors import PatchDoesNotApply, PatchError
+from dsmatrix.plan.cells import Cell
 
 TARGET = "deepspeed/runtime/zero/partitioned_param_coordinator.py"
 ORIGINAL = "one\ntwo\nthree\nfour\nfive\n"
@@ -119,15 +123,11 @@ def test_malformed_patch_sets(tmp_path: Path) -> None:
 def test_a_cached_wheel_names_its_patch_by_name_whichever_checkout_built_it(tmp_path: Path) -> None:
     """A patched wheel in the shared cache, built from another checkout: the build facts a record
     keeps name the patch, not that checkout's folder (nightly part 7 published one such path)."""
-    from dsmatrix.build.wheels import build_key, build_wheel
-    from dsmatrix.infra.cache import Cache
-    from dsmatrix.plan.cells import Cell
-
     patch = load_patch_set(Path(__file__).parents[2] / "patches" / "zero3-release-cache")
     cache, cell = Cache(tmp_path / "cache"), Cell("3.11", "2.13.0+cpu", "0.19.8")
     folder = cache.wheel(cell.deepspeed, cell.python, cell.torch, build_key(patch))
     folder.mkdir(parents=True)
     (folder / "deepspeed-0.19.8+patched.whl").write_bytes(b"")
     elsewhere = "/elsewhere/checkout/patches/zero3-release-cache"
-    (folder / "build.json").write_text(f'{{"wheel": "deepspeed-0.19.8+patched.whl", "patch_source": "{elsewhere}"}}')
+    (folder / "build.json").write_text(json.dumps({"wheel": "deepspeed-0.19.8+patched.whl", "patch_source": elsewhere}))
     assert build_wheel(cell, cache, patch).info["patch_source"] == "zero3-release-cache"

@@ -173,7 +173,7 @@ def _build_wheel(cell: Cell, cache: Cache, build: str, patch: PatchSet | None, o
             diff = patch.diff_for(cell.deepspeed)
             apply_diff(diff, tree, source_name(cell))
             label = f"{label}.patched.{patch.short}" if label else f"+patched.{patch.short}"
-            info.update(patch_sha256=patch.sha256, patch_source=patch.source.name, diff=diff.name)
+            info.update(patch_sha256=patch.sha256, patch_source=str(patch.source), diff=diff.name)
         if label:
             env["DS_BUILD_STRING"] = label
         progress.stage(f"building the {build} wheel")
