@@ -1,6 +1,7 @@
 """Run this repository's GitHub workflows with act, directly on this machine (no GitHub, no docker).
 
-- Jobs run on the host (``-P <label>=-self-hosted``), one at a time (``--concurrent-jobs 1``).
+- Jobs run on the host (``-P <label>=-self-hosted``), one job at a time (``--concurrent-jobs 1``); the
+  entries of one job's matrix still run side by side (act's default ``max-parallel``, 4), as on GitHub.
 - GitHub's checkout, setup-python and cache actions come from local copies of the pinned tags
   (``DSMATRIX_GITHUB_ACTIONS``, default ``../shared/github-actions``), the cache's restore
   sub-action declared here over its bundled code (``cache_with_restore``); upload-artifact and
@@ -8,7 +9,10 @@
   copy to and from ``<out>/artifacts``.
 - actions/setup-python finds every Python the workflows ask for in act's tool cache, seeded with
   fresh virtual environments of this machine's interpreters: ``pip install`` in a workflow step
-  lands there, never in a global interpreter.
+  lands there, never in a global interpreter. Unlike GitHub's runners, the matrix entries running
+  side by side share that tool cache, so each venv is seeded with nox: two ``pip install nox`` steps
+  writing one venv at once broke one of them (a cells job, acceptance of session 34); finding
+  nox installed, they write nothing.
 - act's cache server keeps its caches in ``<out>/actcache``, so a run starts with none.
 """
 
@@ -104,7 +108,8 @@ def _base_interpreter(version: str) -> tuple[Path, str] | None:
 
 
 def seed_tool_cache(versions: tuple[str, ...] = PYTHONS) -> dict[str, str]:
-    """Give setup-python a fresh venv of each local interpreter as ``Python/<full>/<arch>``; returns version -> full."""
+    """Give setup-python a fresh venv of each local interpreter, with nox, as ``Python/<full>/<arch>``; returns
+    version -> full."""
     arch = {"x86_64": "x64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
     seeded = {}
     for version in versions:
@@ -116,6 +121,7 @@ def seed_tool_cache(versions: tuple[str, ...] = PYTHONS) -> dict[str, str]:
         shutil.rmtree(entry, ignore_errors=True)
         entry.mkdir(parents=True)
         subprocess.run([str(exe), "-m", "venv", str(entry / arch)], check=True)
+        subprocess.run([str(entry / arch / "bin" / "python"), "-m", "pip", "install", "--quiet", "nox"], check=True)
         (entry / f"{arch}.complete").touch()
         seeded[version] = full
     return seeded
