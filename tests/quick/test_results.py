@@ -122,7 +122,7 @@ def test_evidence_names_no_folder_interpreter_or_host_of_the_machine_that_made_i
         f"raw/{cell_id}-stock-ws1-rank0.xml": f'<testsuites><testsuite hostname="{socket.gethostname()}"><testcase file="{cwd}/t.py"/>'
         f"<skipped>{temp}/x/t.py:3: skip</skipped></testsuite></testsuites>",
         f"raw/{cell_id}-stock.log": f"Traceback: {sys.base_prefix}/lib/python3.11/x.py and {run.root}/raw",
-        f"bench/{cell_id}-stock.json": json.dumps({"machine_info": {"node": socket.gethostname()}, "path": f"{tmp_path}/b"}, indent=4),
+        f"bench/{cell_id}-stock.json": json.dumps({"machine_info": {"node": socket.gethostname()}, "path": f"{temp}/b"}, indent=4),
     }.items():
         (run.root / name).parent.mkdir(parents=True, exist_ok=True)
         (run.root / name).write_text(text)

@@ -20,6 +20,12 @@ Usage = namedtuple("Usage", "total used free")
 RUNTIME = {"dtype": ("fp32",), "checkpointing": ("off",), "world_size": ("1",)}
 
 
+@pytest.fixture
+def plenty_of_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1 TiB free, whatever this machine has: the tests that take it schedule, the disk check is tested above."""
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(1024 * GIB, 0, 1024 * GIB))
+
+
 def test_disk_check_refuses_a_run_that_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(100 * GIB, 98 * GIB, 2 * GIB))
     cuda = [Cell("3.12", "2.9.1", "0.19.8")]
@@ -53,6 +59,7 @@ def test_low_disk_mode_needs_the_largest_set_not_all(tmp_path: Path, monkeypatch
     assert [c.id for c in grouped(NIGHTLY_LIKE)] == [NIGHTLY_LIKE[i].id for i in (0, 2, 1, 4, 3)]
 
 
+@pytest.mark.usefixtures("plenty_of_disk")
 def test_low_disk_mode_prunes_only_new_sets_and_everything_that_links_into_them(tmp_path: Path) -> None:
     cache = Cache(tmp_path)
     (tmp_path / "builders" / "py3.11-torch2.13.0+cpu-abc" / "bin" / "python").mkdir(parents=True)  # cached before the run
@@ -146,6 +153,7 @@ def test_stock_results_are_run_once_and_reused(tmp_path: Path, monkeypatch: pyte
     assert len(calls) == 3
 
 
+@pytest.mark.usefixtures("plenty_of_disk")
 def test_low_disk_mode_prunes_a_set_before_the_next_sets_cells_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two cells at a time, but never across sets: the disk plan counts one set (times jobs) on disk."""
     import threading
@@ -175,6 +183,7 @@ def test_low_disk_mode_prunes_a_set_before_the_next_sets_cells_start(tmp_path: P
     assert events == [e for key in sets for e in [("start", key)] * sum(torch_set(c) == key for c in todo) + [("prune", key)]]
 
 
+@pytest.mark.usefixtures("plenty_of_disk")
 def test_a_set_with_one_cell_runs_its_builds_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Low-disk mode runs the sets one after another: two cells at a time keep two cores busy, but a
     set of one cell would leave a core idle with its builds in turn."""
